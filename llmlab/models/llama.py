@@ -1,0 +1,100 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2; Mixtral with a MoE block).
+
+    ids -> embed -> N × [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head -> logits
+
+Written from the parts in :mod:`llmlab.layers`; HF transformers is used only as the
+oracle in the tests. Taught in notebooks 00 and 01.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers import MLP, Attention, RMSNorm, SparseMoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe:
+            self.mlp = SparseMoE(config.hidden_size, config.intermediate_size,
+                                 config.num_experts, config.num_experts_per_tok)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, cache=None, key_padding_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, key_padding_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model; ``model(input_ids)`` returns logits [batch, seq, vocab]."""
+
+    def __init__(self, config: ModelConfig, attention: str = "naive"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attention)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.attention = attention
+        self.name = "custom"
+
+    # -- knobs ---------------------------------------------------------------------
+    def set_attention(self, name: str) -> "CausalLM":
+        """Swap the attention backend of every layer in place (see llmlab.attention.available())."""
+        for layer in self.layers:
+            layer.self_attn.set_backend(name)
+        self.attention = name
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    # -- forward -------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache=None, attention_mask: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids [batch, seq] -> logits [batch, seq, vocab] (or [batch, 1, vocab]).
+
+        attention_mask [batch, seq]: 1 for real tokens, 0 for (left) padding; positions
+        then count real tokens only. With ``cache`` the cache owns masks and positions of
+        earlier tokens, and ``positions`` must be given. ``last_only`` computes logits for
+        the last position only (all that generation needs).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+        seq = input_ids.shape[1]
+        key_padding_mask = None
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required when a KV cache is passed")
+            if attention_mask is not None:
+                key_padding_mask = attention_mask.to(torch.bool)
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            else:
+                positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+        elif attention_mask is not None:
+            key_padding_mask = attention_mask.to(torch.bool)
+        top = int(positions.max()) if positions.numel() else 0
+        if top >= self.config.max_position_embeddings:
+            raise ValueError(f"position {top} is past the model's context of "
+                             f"{self.config.max_position_embeddings} tokens")
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, cache, key_padding_mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))

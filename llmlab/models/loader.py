@@ -1,0 +1,100 @@
+"""Safetensors checkpoints in HF layout -> llmlab modules.
+
+Parameter names mirror HF Llama (``model.layers.3.self_attn.q_proj.weight`` becomes
+``layers.3.self_attn.q_proj.weight``); Mixtral's per-expert ``w1/w3/w2`` matrices are
+stacked into ``w_gate/w_up/w_down`` [experts, ...].
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..device import resolve_device, resolve_dtype
+from . import registry
+from ..layers.rotary import RotaryEmbedding
+from .llama import CausalLM
+
+_EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_STACK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
+
+
+def read_state_dict(model_dir: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint (or only ``keys``), with the ``model.`` prefix dropped."""
+    out = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                name = k[len("model."):] if k.startswith("model.") else k
+                if keys is None or name in keys:
+                    out[name] = st.get_tensor(k)
+    return out
+
+
+def to_llmlab_names(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map HF names onto :class:`CausalLM`'s, stacking Mixtral experts."""
+    out, experts = {}, {}
+    for k, v in sd.items():
+        m = _EXPERT.fullmatch(k)
+        if m:
+            layer, e, w = int(m[1]), int(m[2]), m[3]
+            experts.setdefault((layer, _STACK[w]), {})[e] = v
+            continue
+        out[k.replace("block_sparse_moe.", "mlp.")] = v
+    for (layer, name), per_expert in experts.items():
+        if len(per_expert) != config.num_experts:
+            raise ValueError(f"layer {layer} has {len(per_expert)} experts for {name}; "
+                             f"config says {config.num_experts}")
+        out[f"layers.{layer}.mlp.{name}"] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+    if config.tie_word_embeddings:  # one tensor, two names
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def _reset_rotary(model: torch.nn.Module, device) -> None:
+    for mod in model.modules():
+        if isinstance(mod, RotaryEmbedding):
+            mod.reset_frequencies(device)
+
+
+def load_model(name_or_path: str, attention: str = "naive", device=None,
+               dtype: str | torch.dtype = torch.float32) -> CausalLM:
+    """Load a registered model (``smollm2-135m``, ``tiny-llama``, ...) or a HF-layout folder.
+
+    Returns a :class:`CausalLM` in eval mode on ``device`` (default: CUDA if present),
+    with the attention backend ``attention`` (see ``llmlab.attention.available()``).
+    """
+    from .. import attention as attn_backends
+
+    attn_backends.get(attention)  # fail early with the list of names
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    path = registry.resolve(name_or_path)
+    config = ModelConfig.from_file(path)
+    with torch.device("meta"):
+        model = CausalLM(config, attention=attention)
+    sd = to_llmlab_names(read_state_dict(path), config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    _reset_rotary(model, None)  # buffers were built on meta
+    model = model.to(device=dev, dtype=dt)
+    _reset_rotary(model, dev)  # RoPE frequencies stay float32 whatever the dtype
+    model.name = str(name_or_path)
+    return model.eval()
+
+
+def load_tokenizer(name_or_path: str):
+    """The HF tokenizer (with chat template) saved beside the model."""
+    from transformers import AutoTokenizer
+
+    path = registry.resolve(name_or_path)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"no tokenizer files in {path}; tiny models borrow smollm2-135m's, "
+                                f"so run: {registry.fetch_command('smollm2-135m')}")
+    return AutoTokenizer.from_pretrained(str(path))

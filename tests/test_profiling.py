@@ -1,0 +1,62 @@
+import time
+
+import pytest
+import torch
+
+import llmlab.attention as A
+from llmlab.config import ModelConfig
+from llmlab.profiling import (RequestMetrics, Timer, attention_flops, linear_bytes, linear_flops,
+                              model_flops_per_token, peak_memory, summarize, time_fn, weight_bytes)
+
+
+def test_timer_measures_wall_time():
+    with Timer("cpu") as t:
+        time.sleep(0.05)
+    assert 0.045 < t.seconds < 0.5
+    r = time_fn(lambda: time.sleep(0.01), repeats=3)
+    assert len(r.times_s) == 3 and r.median_s >= 0.009
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_fn(lambda: None, repeats=0)
+
+
+def test_peak_memory_sees_a_temporary():
+    n = 1024
+
+    def work():
+        big = torch.ones(n, n)          # 4 MiB, freed before returning
+        return big.sum()
+
+    r = peak_memory(work, "cpu")
+    assert n * n * 4 <= r.peak_bytes < 3 * n * n * 4
+    assert float(r.result) == n * n
+
+
+def test_naive_attention_peak_grows_with_scores():
+    q = torch.randn(1, 512, 4, 16)
+    r = peak_memory(lambda: A.naive_attention(q, q, q), "cpu")
+    assert r.peak_bytes >= 4 * 512 * 512 * 4  # at least one [1, 4, N, N] float32 matrix
+
+
+def test_flop_and_byte_counters():
+    assert linear_flops(3, 4, 5) == 2 * 3 * 4 * 5
+    assert linear_bytes(1, 10, 20, 2) == 2 * (200 + 10 + 20)
+    assert attention_flops(1, 1, 8, 8, 4) == 4 * 64 * 4
+    assert attention_flops(1, 1, 8, 8, 4, causal=True) == 4 * 4 * 8 * 9 // 2
+    # the count equals the real matmuls' multiply-adds
+    q = torch.randn(1, 1, 8, 4)
+    macs = q.shape[2] * q.shape[2] * q.shape[3] * 2  # QKᵀ and PV
+    assert attention_flops(1, 1, 8, 8, 4) == 2 * macs
+
+
+def test_model_counters_on_smollm2_config():
+    c = ModelConfig.from_file("data/models/smollm2-135m/config.json")
+    assert weight_bytes(c, 4) == 4 * c.num_parameters()
+    f = model_flops_per_token(c, context=0)
+    assert abs(f - 2 * c.num_parameters()) / f < 0.01  # ≈ 2 FLOPs per parameter
+
+
+def test_request_metrics():
+    m = RequestMetrics(prompt_tokens=10, output_tokens=5, ttft_s=0.2, e2e_s=1.0)
+    assert m.tpot_s == pytest.approx(0.2) and m.tokens_per_s == pytest.approx(5.0)
+    s = summarize([m, RequestMetrics(3, 1, 0.1, 0.1)], wall_s=2.0)
+    assert s["tokens_per_s"] == 3.0 and s["ttft_mean_s"] == pytest.approx(0.15)
