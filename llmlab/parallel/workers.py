@@ -1,0 +1,145 @@
+"""Functions that run on every rank under :func:`llmlab.parallel.launch` (or torchrun).
+
+Each loads this rank's shard, does its part in lockstep with the other ranks, and
+returns something small to rank 0: logits for a parity check, generated tokens with
+time per token, and what each rank holds in memory. They live in a module (not in a
+notebook) because spawned ranks import them by name. Taught in notebook 07.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, count_collectives
+from .generate import greedy_generate
+from .group import current
+from .loader import load_tp_model
+from .model import parameter_bytes
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory: its parameters, what it read from the checkpoint, its process peak."""
+    rank: int
+    param_bytes: int
+    bytes_read: int
+    peak_bytes: int          # process peak RSS (VmHWM) on CPU; CUDA max_memory_allocated on GPU
+    heads: int               # query heads on this rank
+    kv_heads: int
+
+
+@dataclass
+class TPRun:
+    """What rank 0 sends back from :func:`generate_on_ranks` / :func:`parity_on_ranks`."""
+    tp: int
+    tokens: list[int]
+    prefill_s: float
+    s_per_token: float
+    load_s: float
+    memory: list[RankMemory] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [batch, seq, vocab] for the parity prompt
+    device: str = "cpu"
+    collectives: list[tuple[str, int]] = field(default_factory=list)  # one decode step's (op, bytes)
+
+
+def _peak_rss() -> int:
+    """This process's resident-set high-water mark in bytes.
+
+    /proc's VmHWM belongs to the process's own address space; getrusage's maxrss survives
+    exec on Linux, so a rank spawned from a large notebook kernel would report the kernel's.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _memory(model, load_bytes: int) -> RankMemory:
+    ctx = current()
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+    else:
+        peak = _peak_rss()
+    attn = model.layers[0].self_attn
+    return RankMemory(ctx.rank, parameter_bytes(model), load_bytes, peak,
+                      attn.num_heads, attn.num_kv_heads)
+
+
+def _gather(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def generate_on_ranks(model_name: str, prompt_ids: list[int], max_new_tokens: int,
+                      attention: str = "naive", dtype: str = "float32",
+                      logits_for: torch.Tensor | None = None,
+                      eos_token_id: int | None = None) -> TPRun:
+    """Load this rank's shard, optionally compute full logits for ``logits_for`` [batch, seq],
+    then generate greedily from ``prompt_ids``. Every rank returns the same TPRun."""
+    ctx = current()
+    t0 = time.perf_counter()
+    model = load_tp_model(model_name, attention=attention, device=ctx.device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    logits = None
+    if logits_for is not None:
+        with torch.inference_mode():
+            logits = model(logits_for.to(ctx.device)).float().cpu()
+    gen = greedy_generate(model, list(prompt_ids), max_new_tokens, eos_token_id)
+    with torch.inference_mode(), count_collectives() as log:  # what one token's pass sends
+        model(torch.tensor([[prompt_ids[0]]], device=ctx.device))
+    memory = _gather(_memory(model, model.tp_bytes_read))
+    return TPRun(tp=ctx.world_size, tokens=gen.tokens, prefill_s=gen.prefill_s,
+                 s_per_token=gen.s_per_token, load_s=load_s, memory=memory, logits=logits,
+                 device=str(ctx.device), collectives=log.calls)
+
+
+def parity_on_ranks(model_name: str, input_ids: torch.Tensor, new_tokens: int,
+                    eos_token_id: int | None = None) -> TPRun:
+    """Logits for ``input_ids`` [batch, seq] and up to ``new_tokens`` greedy tokens after its
+    first row (stopping after ``eos_token_id``)."""
+    return generate_on_ranks(model_name, input_ids[0].tolist(), new_tokens,
+                             logits_for=input_ids, eos_token_id=eos_token_id)
+
+
+
+def mlp_backward_on_ranks(hidden: int, intermediate: int, tokens: int, seed: int = 0) -> dict:
+    """Forward and backward of a column->row parallel MLP pair against the same seeded
+    full weights; returns the output, the input gradient and the gathered weight gradients.
+
+    This exercises both conjugate operators: the all-reduce in the forward pass (after
+    the row-parallel layer) and the all-reduce of the input gradient (before the
+    column-parallel layer).
+    """
+    ctx = current()
+    g = torch.Generator().manual_seed(seed)
+    w_up = torch.randn(intermediate, hidden, generator=g) / hidden ** 0.5
+    w_down = torch.randn(hidden, intermediate, generator=g) / intermediate ** 0.5
+    x = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
+    up = ColumnParallelLinear(hidden, intermediate)
+    down = RowParallelLinear(intermediate, hidden)
+    (a, b), (c, d) = up.shard_range(), down.shard_range()
+    with torch.no_grad():
+        up.weight.copy_(w_up[a:b])
+        down.weight.copy_(w_down[:, c:d])
+    y = down(torch.nn.functional.silu(up(x)))
+    y.pow(2).sum().backward()
+    grads_up = _gather(up.weight.grad)
+    grads_down = _gather(down.weight.grad)
+    return {"tp": ctx.world_size, "y": y.detach(), "x_grad": x.grad,
+            "w_up_grad": torch.cat(grads_up, dim=0), "w_down_grad": torch.cat(grads_down, dim=1)}
+
+
+def run_sequence(calls: list[tuple]) -> list:
+    """Run several workers in one launch (spawning ranks costs seconds): calls = [(fn, args), ...]."""
+    return [fn(*args) for fn, args in calls]

@@ -1,0 +1,127 @@
+"""Figures for notebook 07 (tensor parallelism): the split, all-reduce cost, the scaling model.
+
+``plot_tp_scaling`` is the callback of the notebook's widget (tp degree x interconnect
+bandwidth); it draws a model, not a measurement, and says so in its title.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from ..config import ModelConfig
+from ..parallel.comm import A100_NVLINK, LLAMA2_70B, Hardware, tp_decode_model
+
+_RANK_COLORS = plt.get_cmap("tab10").colors
+
+
+def plot_tp_split(config: ModelConfig, tp: int):
+    """Which rank holds which columns / rows of each weight of one decoder layer.
+
+    Weights are drawn as A = Wᵀ [in, out] (``y = x A``), so a ColumnParallelLinear is split
+    into vertical stripes (columns of A = output features) and a RowParallelLinear into
+    horizontal stripes (rows of A = input features). Query/KV head boundaries are dotted.
+    """
+    from ..parallel.model import check_tp_degree
+
+    check_tp_degree(config, tp)
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    mats = [("q_proj", h, config.num_heads * d, "col", d), ("k_proj", h, config.num_kv_heads * d, "col", d),
+            ("v_proj", h, config.num_kv_heads * d, "col", d), ("o_proj", config.num_heads * d, h, "row", d),
+            ("gate_proj", h, f, "col", None), ("up_proj", h, f, "col", None), ("down_proj", f, h, "row", None)]
+    fig, axes = plt.subplots(1, len(mats), figsize=(10, 3.2), dpi=80,
+                             gridspec_kw={"width_ratios": [m[2] for m in mats]})
+    for ax, (name, rows, cols, kind, head) in zip(axes, mats):
+        for r in range(tp):
+            c = _RANK_COLORS[r % 10]
+            if kind == "col":
+                ax.add_patch(plt.Rectangle((r * cols / tp, 0), cols / tp, rows, color=c, alpha=0.75))
+            else:
+                ax.add_patch(plt.Rectangle((0, rows - (r + 1) * rows / tp), cols, rows / tp, color=c, alpha=0.75))
+        if head:
+            n = (cols if kind == "col" else rows) // head
+            for i in range(1, n):
+                if kind == "col":
+                    ax.axvline(i * head, color="white", lw=0.6, ls=":")
+                else:
+                    ax.axhline(rows - i * head, color="white", lw=0.6, ls=":")
+        ax.set_xlim(0, cols)
+        ax.set_ylim(0, rows)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(f"{name.replace('_proj', '')}\n{'column' if kind == 'col' else 'row'}", fontsize=8)
+        ax.set_xlabel(f"out {cols}", fontsize=7)
+        ax.set_ylabel(f"in {rows}", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_RANK_COLORS[r % 10], alpha=0.75) for r in range(tp)]
+    fig.legend(handles, [f"rank {r}" for r in range(tp)], loc="lower center", ncol=tp, fontsize=8)
+    fig.suptitle(f"One decoder layer split over tp={tp} ranks (A = Wᵀ; heads dotted): "
+                 f"{config.num_heads // tp} query + {config.num_kv_heads // tp} KV heads per rank",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    return fig
+
+
+def plot_allreduce(rows_by_tp: dict[int, list[dict]], mark_bytes: int | None = None, device: str = ""):
+    """Measured all-reduce time against message size, one line per number of ranks."""
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    for tp, rows in sorted(rows_by_tp.items()):
+        ax.loglog([r["bytes"] for r in rows], [r["us"] for r in rows], "o-", label=f"{tp} ranks")
+    if mark_bytes:
+        ax.axvline(mark_bytes, color="gray", ls="--", lw=1)
+        ax.text(mark_bytes * 1.1, ax.get_ylim()[1] * 0.6, "one hidden vector\n(one token)", fontsize=8)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("all-reduce time (µs)")
+    ax.set_title(f"gloo all-reduce, measured on {device}" if device else "all-reduce, measured", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_tp_scaling(tp: int = 8, link_GBps: float = A100_NVLINK.link_GBps, batch: int = 1,
+                    context: int = 1024, hw: Hardware = A100_NVLINK, config: ModelConfig = LLAMA2_70B):
+    """MODEL of one decode step of a 70B model for tp = 1, 2, 4, 8 at a given link bandwidth.
+
+    Stacked bars: per-rank device time (memory- or compute-bound) and communication;
+    the chosen ``tp`` is outlined. Returns the figure.
+    """
+    degrees = [1, 2, 4, 8]
+    if tp not in degrees:
+        raise ValueError(f"tp={tp} is not modelled; allowed: {degrees}")
+    if link_GBps <= 0:
+        raise ValueError(f"link_GBps={link_GBps} must be > 0")
+    hw = Hardware(hw.name.split(",")[0] + f", {link_GBps:g} GB/s link", hw.hbm_GBps, hw.peak_TFLOPs,
+                  hw.memory_GB, link_GBps, hw.hop_latency_us)
+    est = [tp_decode_model(t, hw, config, batch, context) for t in degrees]
+    dev = np.array([e.device_s for e in est]) * 1e3
+    comm = np.array([e.comm_s for e in est]) * 1e3
+    x = np.arange(len(degrees))
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    ax.bar(x, dev, color="tab:blue", label="weights + KV reads (HBM) / compute")
+    ax.bar(x, comm, bottom=dev, color="tab:orange", label="all-reduces over the link")
+    i = degrees.index(tp)
+    ax.bar(x[i], dev[i] + comm[i], fill=False, edgecolor="black", lw=2)
+    for j, e in enumerate(est):
+        note = f"{e.total_s * 1e3:.1f} ms" + ("" if e.fits else "\n(does not fit)")
+        ax.text(x[j], dev[j] + comm[j], note, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"tp={t}" for t in degrees])
+    ax.set_ylabel("ms per decode step")
+    ax.set_ylim(0, (dev + comm).max() * 1.3)
+    sp = est[0].total_s / est[i].total_s
+    ax.set_title(f"MODEL: Llama-2-70B bf16 decode, batch {batch}, context {context}, {hw.name}\n"
+                 f"tp={tp}: {est[i].total_s * 1e3:.1f} ms/step, {sp:.1f}x vs tp=1, "
+                 f"communication {100 * est[i].comm_s / est[i].total_s:.0f}%", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_time_per_token(labels: list[str], ms: list[float], device: str = ""):
+    """Measured decode time per token for a few process/thread configurations."""
+    fig, ax = plt.subplots(figsize=(7, 3.0), dpi=80)
+    ax.barh(labels, ms, color=["tab:blue"] * (len(ms) - 1) + ["tab:green"])
+    for i, v in enumerate(ms):
+        ax.text(v, i, f" {v:.0f} ms", va="center", fontsize=8)
+    ax.set_xlabel("ms per token (median decode step)")
+    ax.set_xlim(0, max(ms) * 1.25)
+    ax.set_title(f"SmolLM2-135M decode, measured on {device}", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,72 @@
+"""Notebook 07's helpers: communication accounting, the scaling model, figures, exercise checks."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from llmlab.config import ModelConfig  # noqa: E402
+from llmlab.exercises import nb07  # noqa: E402
+from llmlab.models.registry import model_dir  # noqa: E402
+from llmlab.parallel.comm import (A100_NVLINK, A100_PCIE, LLAMA2_70B, allreduce_per_token,  # noqa: E402
+                                  ring_allreduce_s, tp_decode_model)
+from llmlab.viz.tp import plot_allreduce, plot_time_per_token, plot_tp_scaling, plot_tp_split  # noqa: E402
+
+SMOL = ModelConfig.from_file(model_dir("smollm2-135m"))
+
+
+def test_allreduce_accounting_for_smollm2():
+    a = allreduce_per_token(SMOL, 3)
+    assert (a.message_bytes, a.allreduces_per_token, a.per_layer_bytes) == (576 * 4, 61, 2 * 576 * 4)
+    assert a.per_token_bytes == 61 * 576 * 4
+    assert a.ring_sent_bytes_per_rank == round(2 * 2 / 3 * 61 * 576 * 4)
+    assert allreduce_per_token(SMOL, 1).ring_sent_bytes_per_rank == 0
+
+
+def test_scaling_model_is_memory_bound_and_pays_for_links():
+    assert ring_allreduce_s(1e6, 1, 300, 2) == 0
+    # bandwidth term: 2(tp-1)/tp · bytes / link; latency term: 2(tp-1) hops
+    assert ring_allreduce_s(8e6, 8, 100, 0) == pytest.approx(2 * 7 / 8 * 8e6 / 100e9)
+    nv = [tp_decode_model(t, A100_NVLINK) for t in (1, 2, 4, 8)]
+    pcie = [tp_decode_model(t, A100_PCIE) for t in (1, 2, 4, 8)]
+    assert not nv[0].fits and all(e.fits for e in nv[1:])  # 140 GB of bf16 weights
+    assert nv[0].memory_s > 100 * nv[0].compute_s          # batch-1 decode is memory-bound
+    assert nv[0].memory_s == pytest.approx(2 * nv[1].memory_s, rel=1e-3)
+    assert [e.total_s for e in nv] == sorted([e.total_s for e in nv], reverse=True)
+    assert all(p.comm_s > n.comm_s for p, n in zip(pcie[1:], nv[1:]))
+    with pytest.raises(ValueError, match="tp=3"):
+        tp_decode_model(3)
+
+
+def test_figures_and_the_widget_callback():
+    fig = plot_tp_split(SMOL, 3)
+    assert len(fig.axes) == 7 and "3 query + 1 KV heads" in fig._suptitle.get_text()
+    plt.close(fig)
+    with pytest.raises(ValueError, match="valid degrees"):
+        plot_tp_split(SMOL, 2)
+    fig = plot_tp_scaling(tp=4, link_GBps=25)
+    title = fig.axes[0].get_title()
+    assert title.startswith("MODEL") and "tp=4" in title and "25 GB/s" in title
+    plt.close(fig)
+    with pytest.raises(ValueError, match="allowed: \\[1, 2, 4, 8\\]"):
+        plot_tp_scaling(tp=3)
+    plt.close(plot_allreduce({2: [{"bytes": 256, "us": 100.0}, {"bytes": 4096, "us": 150.0}]}, 2304, "cpu"))
+    plt.close(plot_time_per_token(["a", "b"], [10.0, 20.0], "cpu"))
+
+
+def test_exercise_checks_reject_wrong_and_accept_right(capsys):
+    assert nb07.check_column_shard(None) is False
+    assert nb07.check_column_shard(lambda w, r, tp: w[:, r::tp]) is False
+    assert "Wrong" in capsys.readouterr().out
+    assert nb07.check_column_shard(lambda w, r, tp: torch.chunk(w, tp, dim=0)[r]) is True
+    assert nb07.check_allreduce_bytes(...) is False
+    assert nb07.check_allreduce_bytes(2 * 30 * 576 * 2) is False
+    assert "embedding" in capsys.readouterr().out
+    assert nb07.check_allreduce_bytes(61 * 576 * 2) is True
+    assert nb07.check_valid_degrees(None) is False
+    assert nb07.check_valid_degrees([1, 2, 4, 8, 16]) is False
+    assert nb07.check_valid_degrees([8, 4, 2, 1]) is True
+    assert "Right" in capsys.readouterr().out
+    assert LLAMA2_70B.num_kv_heads == 8
