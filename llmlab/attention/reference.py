@@ -51,7 +51,7 @@ def naive_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
                     key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · scale + mask) V, materializing the full score matrix.
 
-    Shapes as in :mod:`llmlab.attention`. Softmax runs in float32. A query row whose
+    Shapes as in :mod:`llmlab.attention`. Softmax runs in float32 at least. A query row whose
     keys are all masked (a left-padding position) gets uniform weights, not NaN.
     """
     _check(q, k, v)
@@ -64,7 +64,7 @@ def naive_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
     allowed = _allowed(q, k, causal, key_padding_mask)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
     return torch.matmul(probs, vt).transpose(1, 2)
 
 

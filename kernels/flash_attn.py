@@ -1,0 +1,368 @@
+"""FlashAttention forward in Triton, FlashAttention-2 style (taught in notebook 03).
+
+What it computes: O = softmax(Q Kᵀ · scale + mask) V, exactly (up to rounding), without
+ever writing the [seq_q, seq_k] score matrix to main memory.
+
+How: each program owns one tile of BLOCK_M query rows of one (sequence, KV head); the
+rows are the query positions × the query heads that share that KV head, interleaved
+(row r = position r // groups of head kv_head·groups + r % groups), so grouped-query
+attention reads each K/V block once per group and never repeats K/V in memory. It
+keeps that Q tile in registers/shared memory, streams K and V through in blocks of
+BLOCK_N keys, and keeps an online softmax in float32: running row max ``m``, running
+sum ``l``, and an accumulator rescaled by 2^(m_old − m_new) when the max grows (scores
+are pre-multiplied by log2(e) so the kernel can use exp2). The key loop is split into
+phases so only blocks that need a mask pay for one:
+
+    [lo, full_lo)        masked   the block holding the first real key (left padding)
+    [full_lo, full_hi)   unmasked every key visible to every row of the Q block
+    [max(.), hi)         masked   blocks crossing the causal diagonal, and the ragged tail
+
+Blocks past the causal diagonal of the block's last row are never loaded (skipped).
+
+Layouts (last dimension contiguous, other strides arbitrary):
+    dense   q [batch, seq_q, heads, head_dim], k/v [batch, seq_k, kv_heads, head_dim]
+    varlen  q [total_q, heads, head_dim],      k/v [total_k, kv_heads, head_dim],
+            cu_seqlens_q/k int32 [batch + 1]
+    output  same layout and dtype as q.
+
+Masks: ``causal`` is aligned bottom-right (query i sees key j when j <= i + seq_k − seq_q,
+per sequence), which covers decode (seq_q = 1) and chunked prefill (seq_q < seq_k).
+``key_start``/``key_end`` int32 [batch] hide keys outside [key_start[b], key_end[b]) (left
+padding; tokens after a row finished). A query row with no visible key returns zeros.
+
+Limits: head_dim a power of two from 16 to 256; inputs float32, float16 or bfloat16
+(float32 dots use full IEEE precision, not TF32); grouped-query attention when heads
+is a multiple of kv_heads (query head h reads KV head h // (heads // kv_heads)). Forward only. Without CUDA the kernel runs in the Triton
+interpreter (``TRITON_INTERPRET=1``, set by ``import llmlab``): same code, slow.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
+                      offs_i, offs_d, lo, hi, k_begin, k_stop, causal_offset, qk_scale,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold key blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
+
+    offs_i [BLOCK_M] is the query position of each tile row (for the causal mask).
+    """
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None]     # [D, BLOCK_N]
+        v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :]     # [BLOCK_N, D]
+        if MASKED:
+            in_range = offs_n < k_stop
+            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            ok = (in_range & (offs_n >= k_begin))[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_i[:, None] + causal_offset)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # row saw nothing yet
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            v = v.to(tl.float32)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seq_q", "seq_k"])
+def _flash_fwd_kernel(Q, K, V, O, CU_Q, CU_K, K_START, K_END,
+                      stride_qb, stride_qm, stride_qh,
+                      stride_kb, stride_kn, stride_kh,
+                      stride_vb, stride_vn, stride_vh,
+                      stride_ob, stride_om, stride_oh,
+                      seq_q, seq_k, kv_heads, groups, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, VARLEN: tl.constexpr, HAS_K_RANGE: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Program (start_m, b * kv_heads + kv_h). Its tile rows are the query heads that share
+    # KV head kv_h, interleaved: tile row r is query r // groups of head
+    # kv_h * groups + r % groups. K/V are read once for the whole group.
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // kv_heads
+    kv_h = bh % kv_heads
+    if VARLEN:
+        q_first = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_first
+        k_first = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_first
+        q_base = q_first.to(tl.int64) * stride_qm
+        o_base = q_first.to(tl.int64) * stride_om
+        k_base = k_first.to(tl.int64) * stride_kn
+        v_base = k_first.to(tl.int64) * stride_vn
+    else:
+        q_len = seq_q
+        k_len = seq_k
+        q_base = b.to(tl.int64) * stride_qb
+        o_base = b.to(tl.int64) * stride_ob
+        k_base = b.to(tl.int64) * stride_kb
+        v_base = b.to(tl.int64) * stride_vb
+    if start_m * BLOCK_M < q_len * groups:
+        # causal alignment uses the full key length; a key range [k_begin, k_stop) per row
+        # (left padding, finished rows) only hides keys
+        causal_offset = k_len - q_len
+        k_begin = 0
+        k_stop = k_len
+        if HAS_K_RANGE:
+            k_begin = tl.load(K_START + b)
+            k_stop = tl.minimum(k_len, tl.load(K_END + b))
+        offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_i = offs_r // groups                       # query position of each row
+        offs_h = kv_h * groups + offs_r % groups         # query head of each row
+        row_ok = offs_r < q_len * groups
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_off = offs_i * stride_qm + offs_h * stride_qh
+        q = tl.load(Q + q_base + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_ptr = K + k_base + kv_h * stride_kh
+        v_ptr = V + v_base + kv_h * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        lo = (k_begin // BLOCK_N) * BLOCK_N
+        full_lo = ((k_begin + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            first_i = (start_m * BLOCK_M) // groups
+            last_i = tl.minimum(((start_m + 1) * BLOCK_M - 1) // groups, q_len - 1)
+            hi = tl.minimum(k_stop, last_i + 1 + causal_offset)
+            first_row_sees = tl.maximum(tl.minimum(k_stop, first_i + causal_offset + 1), 0)
+            full_hi = (first_row_sees // BLOCK_N) * BLOCK_N
+        else:
+            hi = k_stop
+            full_hi = (k_stop // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
+                                          offs_i, offs_d, lo, tl.minimum(full_lo, hi), k_begin,
+                                          k_stop, causal_offset, qk_scale, BLOCK_N, True, CAUSAL,
+                                          DOT_PRECISION, UPCAST)
+        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
+                                          offs_i, offs_d, full_lo, full_hi, k_begin,
+                                          k_stop, causal_offset, qk_scale, BLOCK_N, False, CAUSAL,
+                                          DOT_PRECISION, UPCAST)
+        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
+                                          offs_i, offs_d, tl.maximum(full_lo, full_hi), hi,
+                                          k_begin, k_stop, causal_offset, qk_scale, BLOCK_N, True,
+                                          CAUSAL, DOT_PRECISION, UPCAST)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_row = offs_i * stride_om + offs_h * stride_oh
+        tl.store(O + o_base + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+# On a GPU the tile shape is tuned once per (head_dim, causal, varlen, dtype): the
+# FlashAttention-2 tutorial sizes (BLOCK_M 64/128, BLOCK_N 32/64/128) with 4 or 8 warps.
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+                         (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 2), (64, 128, 4, 3)]
+]
+_flash_fwd_tuned = triton.autotune(
+    configs=_GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "VARLEN", "HAS_K_RANGE", "DOT_PRECISION", "UPCAST"],
+)(_flash_fwd_kernel)
+
+INTERPRETER_BLOCK = 64  # interpreter cost grows with program count, so fewer, larger tiles
+
+
+def _interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m, block_n) -> None:
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"flash_attn got {q.device.type} tensors, but Triton is compiling for the "
+                         "GPU here; move q/k/v to CUDA, or set TRITON_INTERPRET=1 before importing "
+                         "llmlab to run the kernel in the interpreter")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"flash_attn takes float32, float16 or bfloat16 q/k/v of one dtype; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    d = q.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim={d} is not supported; allowed: 16, 32, 64, 128, 256")
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if blk is not None and (not isinstance(blk, int) or blk < 16 or blk & (blk - 1)):
+            raise ValueError(f"{name}={blk!r} must be a power of two >= 16 (16, 32, 64, 128, ...)")
+    if (block_m is None) != (block_n is None):
+        raise ValueError("give both block_m and block_n, or neither (then they are chosen)")
+
+
+def _launch(q, k, v, o, cu_q, cu_k, key_start, key_end, strides, seq_q, seq_k, batch, max_seqlen_q,
+            causal, varlen, softmax_scale, block_m, block_n, num_warps, num_stages):
+    heads, kv_heads, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    rows = max_seqlen_q * (heads // kv_heads)  # tile rows per (sequence, KV head)
+    dummy = o  # never read when the matching flag is off
+    args = (q, k, v, o, cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+            key_start if key_start is not None else dummy,
+            key_end if key_end is not None else dummy, *strides,
+            seq_q, seq_k, kv_heads, heads // kv_heads, scale * LOG2E)
+    # The interpreter multiplies bfloat16 tiles as their raw uint16 bits (Triton 3.x), so
+    # there the tiles are upcast to float32 before tl.dot; compiled kernels never upcast.
+    upcast = _interpreted() and q.dtype == torch.bfloat16
+    flags = dict(HEAD_DIM=d, CAUSAL=bool(causal), VARLEN=varlen,
+                 HAS_K_RANGE=key_start is not None, DOT_PRECISION=precision, UPCAST=upcast)
+    if block_m is None and not _interpreted():
+        grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch * kv_heads)  # noqa: E731
+        _flash_fwd_tuned[grid](*args, **flags)
+        return
+    if block_m is None:
+        block_m = block_n = INTERPRETER_BLOCK
+    grid = (triton.cdiv(rows, block_m), batch * kv_heads)
+    extra = {}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
+    if num_stages is not None:
+        extra["num_stages"] = num_stages
+    _flash_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **extra)
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None, key_start: torch.Tensor | None = None,
+                    key_end: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Dense form. q [batch, seq_q, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim];
+    key_start, key_end int32 [batch]: row b sees only keys key_start[b] <= j < key_end[b]
+    (left padding before, finished tokens after; both or neither) -> [batch, seq_q, heads, head_dim].
+
+    ``block_m``/``block_n`` fix the tile (BLOCK_M query rows × BLOCK_N keys); left as None
+    they are autotuned on a GPU and set to 64 in the interpreter. A tile's
+    BLOCK_M rows hold query positions × the query heads of one KV head (interleaved).
+    """
+    _check_inputs(q, k, v, block_m, block_n)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"expected q [b, sq, h, d] and k = v [b, sk, kv_h, d] with h % kv_h == 0; "
+                         f"got q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    batch, seq_q, heads, d = q.shape
+    seq_k = k.shape[1]
+    if (key_start is None) != (key_end is None):
+        raise ValueError("give both key_start and key_end, or neither")
+    if key_start is not None:
+        for name, t in (("key_start", key_start), ("key_end", key_end)):
+            if t.shape != (batch,):
+                raise ValueError(f"{name} must be [batch] = [{batch}]; got {tuple(t.shape)}")
+        key_start = key_start.to(device=q.device, dtype=torch.int32).contiguous()
+        key_end = key_end.to(device=q.device, dtype=torch.int32).contiguous()
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if seq_q == 0 or batch == 0:
+        return o
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
+    _launch(q, k, v, o, None, None, key_start, key_end, strides, seq_q, seq_k, batch, seq_q, causal,
+            False, softmax_scale, block_m, block_n, num_warps, num_stages)
+    return o
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, *,
+                           softmax_scale: float | None = None, causal: bool = True,
+                           block_m: int | None = None, block_n: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None
+                           ) -> torch.Tensor:
+    """Packed form, as ``flash_attn_varlen_func``: q [total_q, heads, head_dim],
+    k/v [total_k, kv_heads, head_dim], cu_seqlens_q/k int32 [batch + 1] (prefix sums of
+    the lengths), max_seqlen_q/k the longest lengths -> [total_q, heads, head_dim].
+    """
+    _check_inputs(q, k, v, block_m, block_n)
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q [total_q, h, d] and k = v [total_k, kv_h, d], h % kv_h == 0; "
+                         f"got q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or cu_seqlens_q.numel() < 2:
+        raise ValueError(f"cu_seqlens_q ({cu_seqlens_q.numel()}) and cu_seqlens_k "
+                         f"({cu_seqlens_k.numel()}) must both have batch + 1 >= 2 entries")
+    if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} must be >= 0")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    batch = cu_q.numel() - 1
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.shape[0] == 0 or int(max_seqlen_q) == 0:
+        return o.zero_()
+    strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+               0, v.stride(0), v.stride(1), 0, o.stride(0), o.stride(1))
+    _launch(q, k, v, o, cu_q, cu_k, None, None, strides, int(max_seqlen_q), int(max_seqlen_k), batch,
+            int(max_seqlen_q), causal, True, softmax_scale, block_m, block_n, num_warps,
+            num_stages)
+    return o
+
+
+def compile_ahead(arch: int = 90, dtype: str = "bf16", head_dim: int = 64, causal: bool = True,
+                  varlen: bool = False, key_range: bool = False, block_m: int = 128,
+                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+    """Compile the kernel for CUDA compute capability ``arch`` (80 = A100, 90 = H100/H200)
+    without a GPU, down to PTX and a cubin, and return the compiled kernel (``.asm["ptx"]``).
+
+    Lets a CPU-only machine check that the GPU path compiles (the interpreter never
+    compiles). Needs ``TRITON_INTERPRET=0`` in the environment before this module is
+    imported, so run it in a fresh process. Pointers and strides are declared divisible
+    by 16, as the JIT specializes them for realistic shapes; ``dtype`` is "fp32", "fp16" or "bf16".
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _flash_fwd_kernel
+    if not hasattr(fn, "arg_names") or _interpreted():
+        raise ValueError("compile_ahead needs TRITON_INTERPRET=0 set before the kernel module "
+                         "is imported (run it in a fresh process)")
+    if dtype not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"dtype={dtype!r}; allowed: 'fp32', 'fp16', 'bf16'")
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                  VARLEN=varlen, HAS_K_RANGE=key_range,
+                  DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O"):
+            sig[name], attrs[(i,)] = "*" + dtype, [["tt.divisibility", 16]]
+        elif name in ("CU_Q", "CU_K", "K_START", "K_END"):
+            sig[name], attrs[(i,)] = "*i32", [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -1,0 +1,216 @@
+"""Figures and the block-size explorer of notebook 03 (FlashAttention).
+
+Each function returns a matplotlib figure (and the numbers it drew), so the notebook
+widgets are thin wrappers and the tests can check what is plotted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+
+from ..attention.flash import (CAUSAL_SKIPPED, FULL_BLOCK, MASKED_BLOCK, block_schedule)
+from ..profiling.hbm import (ChipSpec, chip as chip_preset, standard_attention_hbm,
+                             tile_footprint, tiled_attention_hbm)
+
+FIGSIZE, DPI = (7, 3.5), 80
+_STATE_COLORS = {CAUSAL_SKIPPED: "#eeeeee", FULL_BLOCK: "#4c72b0", MASKED_BLOCK: "#dd8452"}
+
+
+def _as_chip(spec: str | ChipSpec) -> ChipSpec:
+    return spec if isinstance(spec, ChipSpec) else chip_preset(spec)
+
+
+def plot_block_schedule(seq_q: int, seq_k: int, block_q: int, block_k: int,
+                        causal: bool = True, ax=None):
+    """Tiles of the (seq_q × seq_k) score matrix the tiled loop visits, with the causal
+    boundary drawn; returns (figure, schedule [n_q_blocks, n_k_blocks])."""
+    grid = block_schedule(seq_q, seq_k, block_q, block_k, causal)
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(5.6, 3.5), dpi=DPI)
+    cmap = ListedColormap([_STATE_COLORS[s] for s in (CAUSAL_SKIPPED, FULL_BLOCK, MASKED_BLOCK)])
+    cells = np.repeat(np.repeat(grid.numpy(), block_q, 0), block_k, 1)[:seq_q, :seq_k]
+    ax.imshow(cells, cmap=cmap, vmin=0, vmax=2, extent=(0, seq_k, seq_q, 0),
+              interpolation="nearest")
+    for y in range(0, seq_q + 1, block_q):
+        ax.axhline(min(y, seq_q), color="white", lw=1.2)
+    for x in range(0, seq_k + 1, block_k):
+        ax.axvline(min(x, seq_k), color="white", lw=1.2)
+    if causal:  # keys j <= i + seq_k - seq_q are visible
+        off = seq_k - seq_q
+        i = np.array([0, seq_q])
+        ax.plot(np.clip(i + off + 1, 0, seq_k), i, color="black", lw=1.2, ls="--")
+    ax.set_xlabel("key j (blocks of Bc)")
+    ax.set_ylabel("query i (blocks of Br)")
+    counts = {s: int((grid == s).sum()) for s in _STATE_COLORS}
+    ax.set_title(f"Br={block_q}, Bc={block_k}: {counts[FULL_BLOCK]} full, "
+                 f"{counts[MASKED_BLOCK]} masked, {counts[CAUSAL_SKIPPED]} skipped", fontsize=9)
+    ax.legend(handles=[Patch(color=_STATE_COLORS[FULL_BLOCK], label="computed"),
+                       Patch(color=_STATE_COLORS[MASKED_BLOCK], label="computed + mask"),
+                       Patch(color=_STATE_COLORS[CAUSAL_SKIPPED], label="skipped")],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if fig is not None:
+        fig.tight_layout()
+    return (fig or ax.figure), grid
+
+
+def plot_peak_memory(ns: list[int], series: dict[str, list[float]], modelled_from: int | None = None,
+                     title: str = "peak memory of one attention call"):
+    """Peak bytes against N on log-log axes, one line per backend; points at N >=
+    ``modelled_from`` are drawn hollow (analytic, not measured)."""
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for name, ys in series.items():
+        ys = np.asarray(ys, dtype=float)
+        x = np.asarray(ns)
+        line, = ax.plot(x, ys / 2**20, marker="o", label=name)
+        if modelled_from is not None:
+            m = x >= modelled_from
+            ax.plot(x[m], ys[m] / 2**20, marker="o", ls="none", mfc="white",
+                    color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("MiB")
+    ax.set_title(title + ("" if modelled_from is None else f" (hollow: modelled, N ≥ {modelled_from})"),
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_traffic_model(ns: list[int], d: int = 64, block_q: int = 128, block_k: int = 64,
+                       causal: bool = False, spec: str | ChipSpec = "H100", bytes_per_el: int = 2):
+    """Modelled HBM bytes (and time at the chip's HBM bandwidth) for standard and tiled
+    attention against N, one head; returns (figure, {name: bytes list})."""
+    spec = _as_chip(spec)
+    std = [standard_attention_hbm(n, d, bytes_per_el=bytes_per_el).total for n in ns]
+    tiled = [tiled_attention_hbm(n, d, block_q, block_k, causal=causal,
+                                 bytes_per_el=bytes_per_el).total for n in ns]
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    ax.plot(ns, np.array(std) / 2**20, marker="o", label="standard: Θ(Nd + N²)")
+    ax.plot(ns, np.array(tiled) / 2**20, marker="o",
+            label=f"tiled Br={block_q}, Bc={block_k}: Θ(N²d/Br)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel(f"HBM MiB per head (d={d}, {8 * bytes_per_el}-bit)")
+    sec = ax.secondary_yaxis("right", functions=(lambda mib: mib * 2**20 / spec.hbm_bandwidth * 1e6,
+                                                 lambda us: us * 1e-6 * spec.hbm_bandwidth / 2**20))
+    sec.set_ylabel(f"µs at {spec.hbm_bandwidth / 1e12:.2f} TB/s ({spec.name})")
+    ax.set_title("modelled HBM traffic of one attention head (a model, not a measurement)",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, {"standard": std, "tiled": tiled}
+
+
+@dataclass
+class ExplorerResult:
+    """What the block-size explorer drew."""
+
+    block_q: int
+    block_k: int
+    head_dim: int
+    n: int
+    footprint_bytes: int
+    smem_bytes: int
+    fits: bool
+    standard_bytes: int
+    tiled_bytes: int
+    measured_n: int | None
+    measured_s: float | None
+    measured_what: str
+    figure: object = None
+
+
+def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int) -> tuple[float | None, str]:
+    """Time the Triton kernel once (after a warm-up): compiled on a GPU, interpreted on CPU."""
+    from ..kernels.flash_attn import flash_attn_func
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 1, head_dim, generator=g).to(dev, dtype) for _ in range(3))
+
+    def run():
+        return flash_attn_func(q, k, v, causal=True, block_m=block_q, block_n=block_k)
+
+    if dev == "cuda":
+        from ..profiling import time_fn
+        try:
+            return time_fn(run, repeats=10, warmup=2, device=dev).median_s, "compiled kernel, bf16"
+        except Exception as exc:  # e.g. triton's OutOfResources: the tile does not fit
+            return None, f"did not run: {type(exc).__name__}"
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0, "Triton interpreter on CPU (Python speed, not a GPU's)"
+
+
+def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: int = 4096,
+                   chip: str = "H100", measure: bool = True,
+                   interpreter_n: int = 128) -> ExplorerResult:
+    """Redraw for one (Br, Bc, d, N): the tile's on-chip footprint against the chip's
+    shared memory, the modelled HBM traffic of standard vs tiled attention, and a
+    measured time of the Triton kernel with these blocks (on CPU: the interpreter at
+    N = min(n, ``interpreter_n``), causal, one head)."""
+    for name, val in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val < 16 or val & (val - 1):
+            raise ValueError(f"{name}={val!r} must be a power of two >= 16 (16, 32, 64, ...)")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive int")
+    spec = _as_chip(chip)
+    fp = tile_footprint(block_q, block_k, head_dim, bytes_per_el=2)
+    std = standard_attention_hbm(n, head_dim).total
+    tiled = tiled_attention_hbm(n, head_dim, block_q, block_k, causal=True).total
+    measured_n = measured_s = None
+    what = "not measured"
+    if measure:
+        measured_n = n if torch.cuda.is_available() else min(n, interpreter_n)
+        measured_s, what = _measure_kernel(measured_n, block_q, block_k, head_dim)
+
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), dpi=DPI)
+    ax = axes[0]
+    parts = [("Q", fp.q), ("K+V", fp.kv), ("scores fp32", fp.scores), ("acc fp32", fp.acc),
+             ("m, l", fp.stats)]
+    bottom = 0
+    for label, b in parts:
+        ax.bar([0], [b / 1024], bottom=bottom / 1024, label=label, width=0.5)
+        bottom += b
+    ax.axhline(spec.smem_per_sm / 1024, color="red", ls="--",
+               label=f"{spec.name} smem/SM {spec.smem_per_sm // 1024} KiB")
+    ax.set_xticks([])
+    ax.set_xlim(-0.4, 2.6)
+    ax.set_ylabel("KiB on chip")
+    ax.set_title(f"tile {block_q}×{block_k}, d={head_dim}: {fp.total / 1024:.0f} KiB "
+                 f"({'fits' if fp.fits(spec) else 'does NOT fit'})", fontsize=9)
+    ax.legend(fontsize=6, loc="center right")
+
+    ax = axes[1]
+    ax.bar(["standard", "tiled"], [std / 2**20, tiled / 2**20], color=["#c44e52", "#4c72b0"])
+    ax.set_ylabel("HBM MiB (one head, bf16)")
+    ax.set_title(f"modelled traffic, N={n}, causal: tiled/standard = {tiled / std:.2f}",
+                 fontsize=9)
+    for i, b in enumerate((std, tiled)):
+        ax.text(i, b / 2**20, f"{b / spec.hbm_bandwidth * 1e6:.0f} µs", ha="center",
+                va="bottom", fontsize=7)
+
+    ax = axes[2]
+    if measured_s is not None:
+        ax.bar(["flash_triton"], [measured_s * 1e3], color="#55a868", width=0.5)
+        ax.set_ylabel("ms")
+        ax.set_title(f"measured, N={measured_n}, causal: {measured_s * 1e3:.1f} ms", fontsize=9)
+        ax.set_xlabel(what.replace(" (", "\n("), fontsize=7)
+    else:
+        ax.set_axis_off()
+        ax.set_title(what, fontsize=9)
+    fig.tight_layout()
+    return ExplorerResult(block_q, block_k, head_dim, n, fp.total, spec.smem_per_sm,
+                          fp.fits(spec), std, tiled, measured_n, measured_s, what, fig)
