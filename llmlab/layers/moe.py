@@ -8,8 +8,21 @@ strategies can treat them as one batched operand:
     w_down        [experts, hidden, intermediate]
 
 Dispatch strategies are plain functions registered in ``DISPATCH`` and chosen by name
-(``moe.dispatch = "loop"``); all take (x [tokens, hidden], weights [tokens, k],
-experts [tokens, k], w_gate, w_up, w_down) and return [tokens, hidden].
+(``moe.dispatch = "grouped"``, or ``set_dispatch(model, "grouped")`` for every layer);
+all take (x [tokens, hidden], weights [tokens, k], experts [tokens, k], w_gate, w_up,
+w_down) and return [tokens, hidden]:
+
+    dense    every expert runs on every token; unchosen experts get weight 0. The answer
+             is right, but the cost is E/k times the sparse one: sparsity ignored.
+    loop     per expert, find its tokens (``torch.where``), gather, run, scatter-add.
+             E scans of the routing table and E small gathers.
+    grouped  one stable sort of the (token, expert) pairs by expert makes each expert's rows
+             contiguous; one gather, then each expert runs one GEMM per projection over
+             its slice (``llmlab.kernels.moe_gemm``: a grouped-GEMM Triton kernel on CUDA,
+             a per-slice loop in PyTorch on CPU), routing weights applied in the down
+             projection, then one gather back through the inverse permutation and a sum
+             over the k slots (no scatter-add needed).
+
 Taught in notebook 06.
 """
 from __future__ import annotations
@@ -34,6 +47,16 @@ def expert_mlp(x, w_gate, w_up, w_down):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
+def dispatch_dense(x, weights, experts, w_gate, w_up, w_down):
+    """Every expert on every token, combined with a dense [tokens, experts] weight matrix."""
+    combine = torch.zeros(x.shape[0], w_gate.shape[0], dtype=weights.dtype, device=x.device)
+    combine.scatter_(1, experts, weights)  # zero for the experts a token did not choose
+    out = torch.zeros_like(x)
+    for e in range(w_gate.shape[0]):
+        out += expert_mlp(x, w_gate[e], w_up[e], w_down[e]) * combine[:, e, None].to(x.dtype)
+    return out
+
+
 def dispatch_loop(x, weights, experts, w_gate, w_up, w_down):
     """Per expert: gather its tokens, run the expert, scatter-add the weighted result."""
     out = torch.zeros_like(x)
@@ -46,10 +69,52 @@ def dispatch_loop(x, weights, experts, w_gate, w_up, w_down):
     return out
 
 
-DISPATCH: dict[str, Callable] = {"loop": dispatch_loop}
+def group_by_expert(experts: torch.Tensor, num_experts: int):
+    """Sort the (token, slot) pairs by expert.
+
+    experts [tokens, k] -> (order [tokens*k], token [tokens*k], offsets [num_experts + 1]):
+    ``order`` indexes the flattened pairs so that expert ids are non-decreasing (stable, so
+    tokens keep their order inside an expert), ``token = order // k`` is the source row of
+    each sorted pair, and expert e owns sorted rows ``offsets[e]:offsets[e+1]``.
+    """
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, order // experts.shape[1], offsets
+
+
+def dispatch_grouped(x, weights, experts, w_gate, w_up, w_down, impl: str = "auto"):
+    """Sort pairs by expert, one grouped GEMM per projection, one gather back and a sum.
+
+    ``impl`` chooses the grouped GEMM: "auto" (Triton on CUDA, PyTorch on CPU), "torch", "triton".
+    """
+    from ..kernels.moe_gemm import grouped_swiglu
+
+    order, token, offsets = group_by_expert(experts, w_gate.shape[0])
+    xs = x[token]  # [tokens*k, hidden], each expert's rows contiguous
+    y = grouped_swiglu(xs, w_gate, w_up, w_down, offsets, scale=weights.reshape(-1)[order], impl=impl)
+    # Back to (token, slot) order and sum the k slots. Every token has exactly k pairs, so
+    # this is a permutation (a gather through the inverse of ``order``) and a sum, which is
+    # much faster on CPU than a scatter-add (index_add_) of the same rows.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y[inverse].view(x.shape[0], experts.shape[1], -1).sum(dim=1)
+
+
+DISPATCH: dict[str, Callable] = {"dense": dispatch_dense, "loop": dispatch_loop,
+                                 "grouped": dispatch_grouped}
 
 
 class SparseMoE(nn.Module):
+    """Router + E stacked SwiGLU experts; ``dispatch`` names the strategy (see ``DISPATCH``).
+
+    forward: x [..., hidden] -> [..., hidden]. After each call ``last_routing`` holds
+    (weights [tokens, k], experts [tokens, k]) and ``last_router_logits`` [tokens, experts],
+    which :mod:`llmlab.layers.moe_stats` turns into load histograms and losses.
+    """
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop"):
         super().__init__()
@@ -60,6 +125,7 @@ class SparseMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.dispatch = dispatch
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_router_logits: torch.Tensor | None = None
 
     @property
     def dispatch(self) -> str:
@@ -74,7 +140,27 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts = route(self.gate(flat), self.top_k)
+        logits = self.gate(flat)
+        weights, experts = route(logits, self.top_k)
         self.last_routing = (weights.detach(), experts.detach())
+        self.last_router_logits = logits.detach()
         out = DISPATCH[self._dispatch](flat, weights, experts, self.w_gate, self.w_up, self.w_down)
         return out.reshape(shape)
+
+
+def moe_layers(model: nn.Module) -> list[SparseMoE]:
+    """The SparseMoE blocks of a model, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def set_dispatch(model: nn.Module, name: str) -> nn.Module:
+    """Switch every MoE layer of ``model`` to dispatch strategy ``name``; returns the model."""
+    if name not in DISPATCH:
+        raise ValueError(f"unknown MoE dispatch {name!r}; allowed: {list(DISPATCH)}")
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("this model has no MoE layers (a dense model: nothing to dispatch); "
+                         "try load_model('tiny-mixtral') or load_model('smollm2-135m-moe8')")
+    for layer in layers:
+        layer.dispatch = name
+    return model

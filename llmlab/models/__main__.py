@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "list":
         for spec in registry.MODELS.values():
-            print(f"{spec.name:14s} {spec.description}")
+            print(f"{spec.name:18s} {spec.description}")
         return 0
     for name in args.names:
         t = time.perf_counter()

@@ -178,6 +178,8 @@ def fetch(name: str, force: bool = False) -> Path:
     """Fetch or generate model ``name``; returns its directory. Idempotent."""
     if name not in registry.MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list(registry.MODELS)}")
+    if registry.MODELS[name].kind == "derived":  # built at load time from its base model
+        return fetch(registry.MODELS[name].base, force)
     if registry.MODELS[name].kind == "gguf":
         return fetch_smollm2(force)
     return make_tiny(name, force)

@@ -64,15 +64,27 @@ def _reset_rotary(model: torch.nn.Module, device) -> None:
 
 
 def load_model(name_or_path: str, attention: str = "naive", device=None,
-               dtype: str | torch.dtype = torch.float32) -> CausalLM:
+               dtype: str | torch.dtype = torch.float32, **derived_options) -> CausalLM:
     """Load a registered model (``smollm2-135m``, ``tiny-llama``, ...) or a HF-layout folder.
 
     Returns a :class:`CausalLM` in eval mode on ``device`` (default: CUDA if present),
     with the attention backend ``attention`` (see ``llmlab.attention.available()``).
+    Derived models (``smollm2-135m-moe8``) are built from their base model at load time;
+    ``derived_options`` go to their builder (for the upcycled MoE: ``router_seed``,
+    ``expert_noise``, ``noise_seed``; see :func:`llmlab.models.upcycle.upcycle`).
     """
     from .. import attention as attn_backends
 
     attn_backends.get(attention)  # fail early with the list of names
+    spec = registry.MODELS.get(str(name_or_path))
+    if spec is not None and spec.kind == "derived":
+        from .upcycle import load_upcycled
+
+        return load_upcycled(spec.name, attention=attention, device=device, dtype=dtype,
+                             **derived_options)
+    if derived_options:
+        raise ValueError(f"options {sorted(derived_options)} apply only to derived models "
+                         f"{[n for n, s in registry.MODELS.items() if s.kind == 'derived']}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     path = registry.resolve(name_or_path)
     config = ModelConfig.from_file(path)

