@@ -7,11 +7,14 @@ oracle in the tests. Taught in notebooks 00 and 01.
 """
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers import MLP, Attention, RMSNorm, SparseMoE
+from ..layers import MLP, Attention, RMSNorm, SparseMoE, rotary
 
 
 class DecoderLayer(nn.Module):
@@ -63,6 +66,12 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def reset_rotary(self, device=None) -> None:
+        """Recompute RoPE frequencies in float32 (after a meta build or a dtype cast)."""
+        for mod in self.modules():
+            if isinstance(mod, rotary.RotaryEmbedding):
+                mod.reset_frequencies(device)
+
     # -- forward -------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache=None, attention_mask: torch.Tensor | None = None,
@@ -98,3 +107,27 @@ class CausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
+
+
+@contextlib.contextmanager
+def meta_skeleton():
+    """Build modules on the meta device (no memory) without running their initializers.
+
+    The weights are about to be replaced by loaded ones, and a few initializers (the
+    embedding's normal_, RoPE's frequency division) have Python meta kernels whose first
+    call imports torch._dynamo: seconds in every fresh process, for values thrown away.
+    Call :meth:`CausalLM.reset_rotary` after loading.
+    """
+    def no_frequencies(head_dim, theta, device=None):
+        return torch.empty(head_dim // 2, device=device)
+
+    with torch.device("meta"), \
+            mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None), \
+            mock.patch.object(rotary, "inverse_frequencies", no_frequencies):
+        yield
+
+
+def empty_model(config: ModelConfig, attention: str = "naive") -> CausalLM:
+    """A :class:`CausalLM` on the meta device, ready for ``load_state_dict(..., assign=True)``."""
+    with meta_skeleton():
+        return CausalLM(config, attention=attention)

@@ -15,8 +15,7 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
 from . import registry
-from ..layers.rotary import RotaryEmbedding
-from .llama import CausalLM
+from .llama import CausalLM, empty_model
 
 _EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _STACK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
@@ -57,12 +56,6 @@ def to_llmlab_names(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return out
 
 
-def _reset_rotary(model: torch.nn.Module, device) -> None:
-    for mod in model.modules():
-        if isinstance(mod, RotaryEmbedding):
-            mod.reset_frequencies(device)
-
-
 def load_model(name_or_path: str, attention: str = "naive", device=None,
                dtype: str | torch.dtype = torch.float32, **derived_options) -> CausalLM:
     """Load a registered model (``smollm2-135m``, ``tiny-llama``, ...) or a HF-layout folder.
@@ -88,15 +81,14 @@ def load_model(name_or_path: str, attention: str = "naive", device=None,
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     path = registry.resolve(name_or_path)
     config = ModelConfig.from_file(path)
-    with torch.device("meta"):
-        model = CausalLM(config, attention=attention)
+    model = empty_model(config, attention)
     sd = to_llmlab_names(read_state_dict(path), config)
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    _reset_rotary(model, None)  # buffers were built on meta
+    model.reset_rotary()  # buffers were built on meta
     model = model.to(device=dev, dtype=dt)
-    _reset_rotary(model, dev)  # RoPE frequencies stay float32 whatever the dtype
+    model.reset_rotary(dev)  # RoPE frequencies stay float32 whatever the dtype
     model.name = str(name_or_path)
     return model.eval()
 

@@ -24,8 +24,7 @@ import dataclasses
 
 import torch
 
-from ..layers.rotary import RotaryEmbedding
-from .llama import CausalLM
+from .llama import CausalLM, empty_model
 
 # name -> (base model, experts, top-k) for the registry kind "derived"
 UPCYCLED = {"smollm2-135m-moe8": ("smollm2-135m", 8, 2)}
@@ -73,14 +72,11 @@ def upcycle(dense: CausalLM, num_experts: int = 8, top_k: int = 2, router_seed: 
             factor = 1 + expert_noise * torch.randn(num_experts, inter, 1, generator=noise_gen)
             sd[p + "w_up"] = sd[p + "w_up"] * factor.to(device=dense.device, dtype=dense.dtype)
 
-    with torch.device("meta"):
-        moe = CausalLM(moe_config, attention=dense.attention)
+    moe = empty_model(moe_config, dense.attention)
     moe.load_state_dict(sd, strict=True, assign=True)
     if moe_config.tie_word_embeddings:
         moe.lm_head.weight = moe.embed_tokens.weight
-    for mod in moe.modules():  # RoPE frequencies were built on meta
-        if isinstance(mod, RotaryEmbedding):
-            mod.reset_frequencies(dense.device)
+    moe.reset_rotary(dense.device)  # RoPE frequencies were built on meta
     moe.name = f"{dense.name}-moe{num_experts}"
     return moe.eval()
 

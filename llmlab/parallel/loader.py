@@ -18,7 +18,6 @@ from ..device import resolve_device, resolve_dtype
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..models import registry
 from ..models.llama import CausalLM
-from ..models.loader import _reset_rotary
 from .model import build_tp_model
 
 
@@ -114,9 +113,9 @@ def load_tp_model(name_or_path: str, attention: str = "naive", device=None,
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise RuntimeError(f"parameters not loaded: {still_meta[:5]}")
-    _reset_rotary(model, None)
+    model.reset_rotary()
     model = model.to(device=dev, dtype=dt)
-    _reset_rotary(model, dev)
+    model.reset_rotary(dev)
     model.name = f"{name_or_path} (tp rank {tp_rank} of {tp_size})"
     model.tp_bytes_read = nbytes
     return model.eval()

@@ -18,18 +18,14 @@ forward pass is CausalLM's own: nothing in it knows about ranks. Taught in noteb
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from unittest import mock
 
 import torch
-from torch import nn
 
 from ..config import ModelConfig
-from ..layers import rotary
 from ..layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                              VocabParallelEmbedding)
-from ..models.llama import CausalLM
+from ..models.llama import CausalLM, empty_model
 
 
 def valid_tp_degrees(config: ModelConfig, up_to: int | None = None) -> list[int]:
@@ -86,30 +82,11 @@ def parallelize(model: CausalLM, tp_rank: int, tp_size: int, group=None) -> Caus
     return model
 
 
-@contextlib.contextmanager
-def _meta_skeleton():
-    """Build on the meta device without running any initializer.
-
-    A few initializers (the embedding's normal_, RoPE's frequency division) have Python
-    meta kernels whose first call imports torch._dynamo: seconds in every freshly spawned
-    rank, to compute values that are thrown away. Both are skipped here; the loader
-    fills the weights and recomputes the frequencies.
-    """
-    def no_frequencies(head_dim, theta, device=None):
-        return torch.empty(head_dim // 2, device=device)
-
-    with torch.device("meta"), \
-            mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None), \
-            mock.patch.object(rotary, "inverse_frequencies", no_frequencies):
-        yield
-
-
 def build_tp_model(config: ModelConfig, tp_rank: int, tp_size: int, attention: str = "naive",
                    group=None) -> CausalLM:
     """A CausalLM on the meta device with rank ``tp_rank``'s parallel layers (no weights yet)."""
     check_tp_degree(config, tp_size)
-    with _meta_skeleton():
-        model = CausalLM(config, attention=attention)
+    model = empty_model(config, attention)
     return parallelize(model, tp_rank, tp_size, group)
 
 
