@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmlab-installed
 MODEL := data/models/smollm2-135m/manifest.json
 TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -26,8 +27,14 @@ $(STAMP): pyproject.toml
 	fi; \
 	if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "torch==$(TORCH_VERSION)"; \
-	  else $(BIN)/pip install --no-index "torch==$(TORCH_VERSION)" 2>/dev/null || \
-	       $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
+	  elif $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null; then \
+	    echo "using the local CPU build of torch"; $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	  elif [ -n "$(TORCH_CPU_INDEX)" ]; then \
+	    $(BIN)/pip install --no-deps "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	  else echo "No CPU build of torch==$(TORCH_VERSION) found locally (pip's find-links)."; \
+	    echo "Set TORCH_CPU_INDEX to the CPU-only wheel index from PyTorch's install instructions,"; \
+	    echo "or install a torch yourself into $(VENV) first; refusing to pull the CUDA wheels."; exit 1; \
 	  fi; \
 	fi
 	$(BIN)/pip install -q -e ".[dev,lab]"

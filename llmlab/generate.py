@@ -1,8 +1,9 @@
-"""The baseline generator: recompute the whole sequence at every step (no KV cache).
+"""The generator: the no-cache baseline, or prefill + decode with a KV cache.
 
-Each new token costs a full forward pass over prompt + everything generated so far, so
-generating T tokens costs O(T²) token-passes. This is the textbook loop later notebooks
-beat (KV cache, notebook 02). Taught in notebook 01.
+Without a cache (``kv_cache="none"``, the default) each new token costs a full forward
+pass over prompt + everything generated so far, so generating T tokens costs O(T²)
+token-passes: the textbook loop (notebook 01). With ``kv_cache="contiguous"`` the prompt
+runs once and each later token costs one token-pass (notebook 02).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cache as kv_caches
 from .device import sync
 from .engine.sampler import check_sampling_args, sample
 from .profiling.metrics import RequestMetrics
@@ -24,6 +26,7 @@ class Generation:
     prompt_token_ids: list[int]
     finish_reason: str            # "stop" (end-of-sequence token) or "length"
     metrics: RequestMetrics = field(repr=False, default=None)
+    token_times_s: list[float] = field(repr=False, default_factory=list)  # since start, per token
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -57,13 +60,17 @@ def left_pad(batch: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 @torch.inference_mode()
 def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             chat: bool = True):
+             chat: bool = True, kv_cache: str = "none", ignore_eos: bool = False):
     """Generate for one prompt (returns a :class:`Generation`) or a list (returns a list).
 
-    Every step runs the model over the full sequence (prompt + generated), the no-cache
-    baseline. Prompts in a batch are left-padded with an attention mask, so each one
-    gets the tokens it would get alone. ``temperature=0`` is greedy; ``seed`` makes
-    sampling reproducible.
+    ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
+    ``kv_cache="none"`` (the baseline) runs the model over the full sequence (prompt +
+    generated) at every step; ``"contiguous"`` runs the prompt once (prefill) and then
+    one token per step (decode), keeping K and V in a :class:`llmlab.cache.ContiguousKVCache`
+    (notebook 02); see ``llmlab.cache.available()``. Prompts in a batch are left-padded
+    with an attention mask, so each one gets the tokens it would get alone.
+    ``temperature=0`` is greedy; ``seed`` makes sampling reproducible; ``ignore_eos``
+    keeps generating past the end-of-sequence token (all ``max_new_tokens``, for timing).
     """
     single = isinstance(prompts, str)
     prompts = [prompts] if single else list(prompts)
@@ -72,8 +79,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     check_sampling_args(temperature, top_k, top_p)
+    kv_caches.check_name(kv_cache)
     cfg = model.config
-    encoded = encode_prompts(tokenizer, prompts, chat)
+    if all(isinstance(p, (list, tuple)) for p in prompts):
+        encoded = [[int(t) for t in p] for p in prompts]
+        if not all(encoded):
+            raise ValueError("a token-id prompt is empty")
+        prompts = [tokenizer.decode(p) for p in encoded]
+    else:
+        encoded = encode_prompts(tokenizer, prompts, chat)
     ctx = cfg.max_position_embeddings
     for p, ids in zip(prompts, encoded):
         if len(ids) >= ctx:
@@ -88,34 +102,50 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     ids, mask = left_pad(encoded, pad, dev)
     batch = len(prompts)
     steps = min(max_new_tokens, ctx - ids.shape[1])
+    cache = kv_caches.create(kv_cache, model, batch, ids.shape[1] + steps)
+    # With a cache: the first forward feeds the whole prompt, later ones the newest token.
+    feed, feed_mask = ids, (None if bool(mask.all()) else mask)
     out_tokens = [[] for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool, device=dev)
+    any_done = False
     step_times = []
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits = model(ids, attention_mask=mask, last_only=True)[:, -1]
+        if cache is None:
+            logits = model(ids, attention_mask=mask, last_only=True)[:, -1]
+        else:
+            positions = cache.begin(feed.shape[1], feed_mask)
+            logits = model(feed, positions=positions, cache=cache, last_only=True)[:, -1]
+            cache.advance()
         nxt = sample(logits, temperature, top_k, top_p, gen)
-        was_done = done.clone()
-        nxt = torch.where(was_done, torch.full_like(nxt, pad), nxt)
+        was_done = done
+        if any_done:
+            nxt = torch.where(was_done, torch.full_like(nxt, pad), nxt)
         for i, (t, d) in enumerate(zip(nxt.tolist(), was_done.tolist())):  # syncs: honest times
             if not d:
                 out_tokens[i].append(t)
         step_times.append(time.perf_counter() - t0)
-        done = was_done | (nxt == eos)
-        ids = torch.cat([ids, nxt[:, None]], dim=1)
-        mask = torch.cat([mask, (~was_done).long()[:, None]], dim=1)
-        if bool(done.all()):
-            break
+        if not ignore_eos:
+            done = was_done | (nxt == eos)
+            any_done = bool(done.any())
+            if any_done and bool(done.all()):
+                break
+        if cache is None:
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, (~was_done).long()[:, None]], dim=1)
+        else:
+            feed = nxt[:, None]
+            feed_mask = (~was_done)[:, None] if bool(was_done.any()) else None
 
     results = []
     for i, p in enumerate(prompts):
         toks = out_tokens[i]
-        finished = bool(toks) and toks[-1] == eos
+        finished = not ignore_eos and bool(toks) and toks[-1] == eos
         text = tokenizer.decode(toks[:-1] if finished else toks, skip_special_tokens=True)
         n = len(toks)
         metrics = RequestMetrics(prompt_tokens=len(encoded[i]), output_tokens=n,
                                  ttft_s=step_times[0], e2e_s=step_times[n - 1])
         results.append(Generation(p, text, toks, encoded[i], "stop" if finished else "length",
-                                  metrics))
+                                  metrics, step_times[:n]))
     return results[0] if single else results

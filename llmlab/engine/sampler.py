@@ -40,3 +40,20 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[int | None],
+                top_ps: list[float | None],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row, each row with its own parameters and random generator.
+
+    logits [batch, vocab]. In a serving batch every sequence belongs to a different
+    request, so a row's randomness must come from its own generator: a seeded request
+    then samples the same tokens whatever else shares the batch. Greedy rows
+    (temperature 0) are taken together with one argmax.
+    """
+    out = logits.argmax(dim=-1).tolist()
+    for i, t in enumerate(temperatures):
+        if t > 0:
+            out[i] = int(sample(logits[i:i + 1], t, top_ks[i], top_ps[i], generators[i])[0])
+    return out

@@ -1,10 +1,14 @@
-"""Measuring: timers, peak memory, analytic FLOP/byte counters, request metrics."""
+"""Measuring: timers, peak memory, analytic FLOP/byte counters, request metrics, the roofline."""
 from .flops import (attention_bytes, attention_flops, linear_bytes, linear_flops,
                     model_flops_per_token, weight_bytes)
 from .memory import MemoryResult, peak_memory
 from .metrics import RequestMetrics, summarize
+from .roofline import (Ceilings, Cost, RooflinePoint, decode_cost, forward_cost,
+                       measure_bandwidth, measure_ceilings, measure_matmul_flops, prefill_cost)
 from .timer import Timer, time_fn
 
 __all__ = ["Timer", "time_fn", "peak_memory", "MemoryResult", "RequestMetrics", "summarize",
            "linear_flops", "linear_bytes", "attention_flops", "attention_bytes",
-           "model_flops_per_token", "weight_bytes"]
+           "model_flops_per_token", "weight_bytes", "Ceilings", "Cost", "RooflinePoint",
+           "measure_bandwidth", "measure_matmul_flops", "measure_ceilings", "forward_cost",
+           "prefill_cost", "decode_cost"]

@@ -1,0 +1,142 @@
+"""PagedAttention in Triton: attention whose K/V are read through a block table.
+
+Computes, for every sequence b, query row i and query head h::
+
+    out[b, i, h] = softmax(q[b, i, h] · K_bᵀ · scale + mask) · V_b
+
+where K_b, V_b are the first ``cache_seqlens[b]`` tokens of sequence b, stored in
+fixed-size blocks scattered over a paged pool. Used for decode (``seq_q == 1``: one new
+token attends to the whole cache) and for prefill on top of a cached prefix
+(``seq_q > 1``: the new tokens attend to the cached prefix and, causally, to themselves).
+
+Layouts (last dimension contiguous):
+
+    q            [batch, seq_q, heads, head_dim]
+    k_cache      [num_blocks, block_size, kv_heads, head_dim]   (one layer's paged pool)
+    v_cache      [num_blocks, block_size, kv_heads, head_dim]
+    cache_seqlens [batch] int32   tokens of each sequence in the cache, new ones included
+    block_table  [batch, max_blocks] int32   logical block j of sequence b -> physical id
+    out          [batch, seq_q, heads, head_dim]
+
+``causal`` aligns the query rows bottom-right: row i of sequence b is the token at
+position ``cache_seqlens[b] - seq_q + i`` and sees keys at positions ``<= `` that. With
+ragged new-token counts, left-pad the queries: pad rows get no keys and output zeros.
+
+How: one program per (tile of BLOCK_M packed query rows, sequence, kv head). The rows of
+a tile are (query position, query head) pairs of the *same* kv head, so with grouped-query
+attention the group's heads share every K/V tile that is loaded (GQA packing). Keys are
+visited BLOCK_N tokens at a time; each token's physical address is looked up in the block
+table (``block_table[b, j // block_size] * block_size + j % block_size``), so one tile may
+span several small blocks or part of a large one, and any block size that is a power of
+two works. Softmax is online (running max and sum, as in FlashAttention), in float32.
+
+Limits: head_dim a power of two >= 16; block_size a power of two (tested 8..128); no
+split over the key axis, so a long context with few sequences uses few programs (fine in
+the interpreter, slow-ish on a big GPU at batch 1). Taught in notebook 04.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attn_fwd(
+    Q, K, V, O, BT, SEQLENS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_os, stride_oh,
+    sm_scale, seq_q, num_kv_heads,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+    ctx = tl.load(SEQLENS + b)
+
+    # packed rows: (query position, head within the kv head's group)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qpos = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = qpos < seq_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    if CAUSAL:
+        row_end = ctx - seq_q + qpos + 1                       # keys [0, row_end) visible
+        last_q = (tl.minimum((pid_m + 1) * BLOCK_M, seq_q * GROUP) - 1) // GROUP
+        hi = tl.minimum(ctx - seq_q + last_q + 1, ctx)
+    else:
+        row_end = ctx + 0 * qpos
+        hi = ctx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < ctx
+        blk = tl.load(BT + b * stride_btb + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
+        tok = offs_n % BLOCK_SIZE
+        k = tl.load(K + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [M, N]
+        allowed = key_ok[None, :] & (offs_n[None, :] < row_end[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that saw no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # no visible key -> zeros
+    tl.store(O + b * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
+             + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_seqlens: torch.Tensor, block_table: torch.Tensor,
+                    softmax_scale: float | None = None, causal: bool = True,
+                    block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+    """Attention of ``q`` over a paged K/V pool; shapes in the module docstring.
+
+    Inputs are assumed validated by :func:`llmlab.attention.paged.check_paged_args`.
+    """
+    batch, seq_q, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Triton kernel")
+    q = q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    block_table = block_table.to(torch.int32).contiguous()
+    seqlens = cache_seqlens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
+    grid = (triton.cdiv(seq_q * group, block_m), batch * kv_heads)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _paged_attn_fwd[grid](
+        q, k_cache, v_cache, out, block_table, seqlens,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        scale, seq_q, kv_heads,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), PRECISION=precision,
+    )
+    return out

@@ -1,0 +1,141 @@
+"""Attention over a paged KV cache: the ``paged`` (PyTorch) and ``paged_triton`` backends.
+
+Both have the with-KV-cache form of FlashAttention's ``flash_attn_with_kvcache``::
+
+    with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *,
+                 softmax_scale=None, causal=True) -> out
+      q             [batch, seq_q, heads, head_dim]        the new tokens' queries
+      k_cache       [num_blocks, block_size, kv_heads, head_dim]   one layer's paged pool
+      v_cache       [num_blocks, block_size, kv_heads, head_dim]
+      cache_seqlens [batch] int32    tokens in the cache per sequence, new ones included
+      block_table   [batch, max_blocks] int32    logical block -> physical block
+      out           [batch, seq_q, heads, head_dim]
+
+``causal`` is aligned bottom-right: query row i is the token at position
+``cache_seqlens[b] - seq_q + i``. A decode step has ``seq_q == 1``; prefill on top of a
+cached prefix has ``seq_q`` new tokens that see the prefix and, causally, each other.
+With ragged new-token counts, left-pad the queries; rows that see no key output zeros.
+
+``paged`` gathers K/V through the block table into a dense tensor and runs the textbook
+formula (the reference); ``paged_triton`` reads the blocks in place
+(:mod:`llmlab.kernels.paged_attn`). Their dense ``forward`` raises a ValueError: they
+only make sense with a paged cache (:class:`llmlab.cache.paged.PagedKVCache`), which
+writes the new K/V into the pool and then calls ``with_kvcache``.
+
+Taught in notebook 04.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import register
+
+
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, block_table: torch.Tensor) -> None:
+    """ValueError naming the bad shape or value; shapes as in the module docstring."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, seq_q, heads, head_dim]; got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, kv_heads, "
+                         f"head_dim]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, _, heads, head_dim = q.shape
+    _, block_size, kv_heads, kd = k_cache.shape
+    if kd != head_dim:
+        raise ValueError(f"head_dim differs: q has {head_dim}, the cache has {kd}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} must be a multiple of kv heads {kv_heads}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be [batch={batch}, max_blocks]; "
+                         f"got {tuple(block_table.shape)}")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table dtype {block_table.dtype}; allowed: torch.int32 (or int64)")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be [batch={batch}]; got {tuple(cache_seqlens.shape)}")
+    if batch and int(cache_seqlens.max()) > block_table.shape[1] * block_size:
+        raise ValueError(f"cache_seqlens max {int(cache_seqlens.max())} exceeds what the block "
+                         f"table maps: {block_table.shape[1]} blocks × {block_size} slots")
+    if batch and int(cache_seqlens.min()) < 0:
+        raise ValueError("cache_seqlens must be >= 0")
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Copy the first ``length`` tokens of each sequence out of the pool.
+
+    cache [num_blocks, block_size, kv_heads, head_dim] -> [batch, length, kv_heads, head_dim]
+    (positions past a sequence's own length hold whatever its table points at; mask them).
+    """
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    logical = (pos // block_size).clamp_max(block_table.shape[1] - 1)
+    physical = block_table.long()[:, logical].clamp_min(0)           # [batch, length]
+    slots = physical * block_size + pos % block_size
+    return cache.reshape(-1, *cache.shape[2:])[slots]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+                              softmax_scale: float | None = None,
+                              causal: bool = True) -> torch.Tensor:
+    """Gather K/V through the block table, then softmax(Q Kᵀ · scale + mask) V in float32.
+
+    Shapes in the module docstring. The mask hides keys past each sequence's length and,
+    with ``causal``, keys after each query's own position (bottom-right aligned).
+    """
+    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+    batch, seq_q, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    length = max(int(cache_seqlens.max()), 1) if batch else 1
+    k = gather_kv(k_cache, block_table, length).transpose(1, 2).float()   # [b, kv, L, d]
+    v = gather_kv(v_cache, block_table, length).transpose(1, 2).float()
+    # the query heads of one KV head side by side: [b, kv, group * seq_q, d]
+    qg = q.float().view(batch, seq_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, kv_heads, group * seq_q, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                # [b, kv, g*sq, L]
+    lens = cache_seqlens.to(q.device).long()
+    key_pos = torch.arange(length, device=q.device)
+    allowed = (key_pos[None, None, :] < lens[:, None, None]).expand(batch, seq_q, length)
+    if causal:
+        q_pos = lens[:, None] - seq_q + torch.arange(seq_q, device=q.device)  # [b, sq]
+        allowed = allowed & (key_pos[None, None, :] <= q_pos[:, :, None])    # [b, sq, L]
+    allowed = allowed[:, None, None].expand(batch, 1, group, seq_q, length)
+    scores = scores.masked_fill(~allowed.reshape(batch, 1, group * seq_q, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)     # rows with no key -> zeros
+    out = torch.matmul(probs, v)                                         # [b, kv, g*sq, d]
+    out = out.view(batch, kv_heads, group, seq_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, seq_q, heads, head_dim).to(q.dtype)
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+                           softmax_scale: float | None = None,
+                           causal: bool = True) -> torch.Tensor:
+    """The Triton kernel reading K/V in place through the block table (interpreted on CPU)."""
+    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+    from ..kernels.paged_attn import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, cache_seqlens, block_table,
+                           softmax_scale=softmax_scale, causal=causal)
+
+
+def _needs_paged_cache(name: str):
+    def forward(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None):
+        raise ValueError(f"attention backend {name!r} reads K/V through a block table and needs "
+                         "a paged KV cache (llmlab.cache.paged.PagedKVCache, e.g. "
+                         "llmlab.cache.paged.generate_paged); for dense attention use "
+                         "'naive' or 'sdpa'")
+    forward.__name__ = f"{name}_forward"
+    return forward
+
+
+register("paged", _needs_paged_cache("paged"), with_kvcache=paged_attention_reference,
+         description="PyTorch reference: gather K/V through the block table, then softmax(QKᵀ)V")
+register("paged_triton", _needs_paged_cache("paged_triton"), with_kvcache=paged_attention_triton,
+         description="Triton kernel reading K/V blocks in place through the block table")
+
+__all__ = ["paged_attention_reference", "paged_attention_triton", "gather_kv",
+           "check_paged_args"]

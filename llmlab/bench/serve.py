@@ -1,0 +1,223 @@
+"""python -m llmlab.bench serve: a request trace served three ways, in one run.
+
+1. HF transformers ``generate`` in padded static batches of ``max_num_seqs`` requests
+   (left padding; each batch runs ``max_new_tokens`` = its longest requested output,
+   which is what a padded static batch costs);
+2. llmlab's engine with ``scheduler="static"`` (same batches, paged KV cache);
+3. llmlab's engine with ``scheduler="continuous"`` (iteration-level scheduling, packed
+   prefill, preemption by recompute).
+
+Every request of the trace (``data/traces/cpu.jsonl`` by default) arrives at time 0 and
+generates exactly its ``output_tokens`` (greedy, EOS ignored, as serving benchmarks do),
+so TTFT includes the time spent waiting for a seat. Reported: generated tokens/s
+(useful tokens only), mean and p90 TTFT and TPOT, and the ratios. A sample of requests
+is re-generated alone to check that batching did not change a single token.
+Taught in notebook 05.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.registry import model_dir, repo_root
+from ..profiling.metrics import RequestMetrics, summarize
+from ._common import header, save, table
+
+
+def load_trace(path: str | Path, limit: int | None = None, max_output: int | None = None,
+               tokenizer=None, output_scale: float = 1.0) -> list[dict]:
+    """Requests of a JSONL trace: {"id", "arrival_s", "prompt", "prompt_tokens",
+    "output_tokens"}; with a tokenizer each also gets ``prompt_token_ids`` (no special
+    tokens, no chat template). ``output_scale`` shrinks every ``output_tokens`` (at least
+    1 each), keeping their spread; ``max_output`` caps them."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {str(path)!r} does not exist; traces in data/traces: "
+                         f"{sorted(p.name for p in (repo_root() / 'data' / 'traces').glob('*.jsonl'))}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = rows[:limit] if limit else rows
+    for r in rows:
+        if output_scale != 1.0:
+            r["output_tokens"] = max(1, round(r["output_tokens"] * output_scale))
+        if max_output:
+            r["output_tokens"] = min(r["output_tokens"], max_output)
+        if tokenizer is not None:
+            r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+    return rows
+
+
+class _StepClock:
+    """A transformers streamer that only records when each generation step ends."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:          # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
+    """HF generate in padded static batches, in trace order; per-request metrics."""
+    import copy
+
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(_StepClock, BaseStreamer):
+        pass
+
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen_cfg = copy.deepcopy(hf_model.generation_config)
+    gen_cfg.eos_token_id = None            # run every row to max_new_tokens, like ignore_eos
+    gen_cfg.do_sample = False
+    gen_cfg.temperature, gen_cfg.top_p, gen_cfg.top_k = None, None, None
+    metrics, tokens = [], []
+    t0 = time.perf_counter()
+    for start in range(0, len(trace), batch_size):
+        batch = trace[start:start + batch_size]
+        enc = tokenizer.pad({"input_ids": [r["prompt_token_ids"] for r in batch]},
+                            return_tensors="pt").to(hf_model.device)
+        longest = max(r["output_tokens"] for r in batch)
+        clock = Clock()
+        gen_cfg.max_new_tokens, gen_cfg.pad_token_id = longest, pad
+        out = hf_model.generate(**enc, generation_config=gen_cfg, streamer=clock)
+        gen = out[:, enc["input_ids"].shape[1]:]
+        for row, r in enumerate(batch):
+            n = r["output_tokens"]
+            tokens.append(gen[row, :n].tolist())
+            metrics.append(RequestMetrics(len(r["prompt_token_ids"]), n,
+                                          clock.times[0] - t0, clock.times[n - 1] - t0))
+    wall = time.perf_counter() - t0
+    return {"metrics": metrics, "tokens": tokens, "wall_s": wall}
+
+
+def run_llmlab(llm, trace: list[dict]) -> dict:
+    from ..engine import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=r["output_tokens"], ignore_eos=True)
+              for r in trace]
+    t0 = time.perf_counter()
+    outs = llm.generate([r["prompt_token_ids"] for r in trace], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    bad = [o.error for o in outs if o.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests were rejected, e.g.: {bad[0]}")
+    return {"metrics": [o.metrics for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
+            "wall_s": wall, "stats": llm.stats}
+
+
+def _row(name: str, res: dict) -> dict:
+    s = summarize(res["metrics"], res["wall_s"])
+    return {"system": name, "tok/s": s["tokens_per_s"], "wall s": res["wall_s"],
+            "TTFT mean s": s["ttft_mean_s"], "TTFT p90 s": s["ttft_p90_s"],
+            "TPOT mean ms": s["tpot_mean_s"] * 1e3, "TPOT p90 ms": s["tpot_p90_s"] * 1e3}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llmlab.bench serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=str(repo_root() / "data" / "traces" / "cpu.jsonl"))
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=None, help="cap each request's output")
+    ap.add_argument("--output-scale", type=float, default=1.0,
+                    help="multiply every output length (keeps their spread)")
+    ap.add_argument("--check", type=int, default=4, help="requests re-generated alone")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--skip-hf", action="store_true", help="only the two llmlab schedulers")
+    ap.add_argument("--quick", action="store_true",
+                    help="16 requests, 8 seats, outputs scaled by 1/4")
+    ap.add_argument("--gpu", action="store_true", help="GPU-sized run (needs CUDA)")
+    args = ap.parse_args(argv)
+    device = "cpu"
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("serve --gpu needs CUDA; nothing to do on this machine")
+            return 0
+        device = "cuda"
+        args.trace = str(repo_root() / "data" / "traces" / "sharegpt_like.jsonl")
+        args.requests, args.max_num_seqs, args.max_output = 200, 64, 256
+    if args.quick:
+        args.requests, args.max_num_seqs, args.output_scale = 16, 8, 0.25
+        args.check = min(args.check, 2)
+    if args.requests < 0 or args.output_scale <= 0:
+        raise ValueError(f"--requests={args.requests} must be >= 0 (0: all) and "
+                         f"--output-scale={args.output_scale} > 0")
+    for name in ("max_num_seqs",):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import llmlab
+    from ..engine import LLM
+
+    header(f"serve: {Path(args.trace).name}, {args.model}, max_num_seqs={args.max_num_seqs}")
+    tok = llmlab.load_tokenizer(args.model)
+    trace = load_trace(args.trace, args.requests or None, args.max_output, tok, args.output_scale)
+    outs = [r["output_tokens"] for r in trace]
+    ins = [len(r["prompt_token_ids"]) for r in trace]
+    print(f"   {len(trace)} requests; prompt tokens {min(ins)}..{max(ins)} (mean {sum(ins) / len(ins):.0f});"
+          f" output tokens {min(outs)}..{max(outs)} (mean {sum(outs) / len(outs):.0f}); "
+          f"torch threads {torch.get_num_threads()}; greedy, EOS ignored; all arrive at t=0")
+    model = llmlab.load_model(args.model, attention="sdpa", device=device)
+    results = {}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir(args.model)),
+                                                  dtype=torch.float32).to(device).eval()
+        results["HF transformers, padded static"] = run_hf(hf, tok, trace, args.max_num_seqs)
+        del hf
+    for policy in ("static", "continuous"):
+        llm = LLM(model, tok, scheduler=policy, max_num_seqs=args.max_num_seqs,
+                  block_size=args.block_size)
+        results[f"llmlab {policy}"] = run_llmlab(llm, trace)
+    rows = [_row(k, v) for k, v in results.items()]
+    table(rows)
+    cont = results["llmlab continuous"]
+    tps = {r["system"]: r["tok/s"] for r in rows}
+    print()
+    for name, v in tps.items():
+        if name != "llmlab continuous":
+            print(f"   llmlab continuous / {name}: {tps['llmlab continuous'] / v:.2f}× tokens/s")
+    for policy in ("static", "continuous"):
+        st = results[f"llmlab {policy}"]["stats"]
+        print(f"   llmlab {policy}: {len(st.steps)} steps, {st.computed_tokens} token positions "
+              f"computed for {st.real_tokens} real ({st.padding_tokens} pads), "
+              f"{st.num_preemptions} preemptions")
+
+    # correctness: a sample of requests generated alone must match token for token
+    k = max(0, min(args.check, len(trace)))
+    picks = sorted({round(i * (len(trace) - 1) / max(k - 1, 1)) for i in range(k)}) if k else []
+    same = {"static": 0, "continuous": 0, "HF": 0}
+    for i in picks:
+        r = trace[i]
+        ref = llmlab.generate(model, tok, [r["prompt_token_ids"]], max_new_tokens=r["output_tokens"],
+                              kv_cache="contiguous", ignore_eos=True)[0].token_ids
+        same["static"] += results["llmlab static"]["tokens"][i] == ref
+        same["continuous"] += cont["tokens"][i] == ref
+        if "HF transformers, padded static" in results:
+            same["HF"] += results["HF transformers, padded static"]["tokens"][i] == ref
+    if picks:
+        print(f"   greedy tokens equal to generating alone (requests {picks}): "
+              f"continuous {same['continuous']}/{len(picks)}, static {same['static']}/{len(picks)}"
+              + (f", HF batched {same['HF']}/{len(picks)}" if not args.skip_hf else ""))
+    save("serve", {"trace": Path(args.trace).name, "requests": len(trace),
+                   "max_num_seqs": args.max_num_seqs, "threads": torch.get_num_threads(),
+                   "rows": rows, "parity_checked": len(picks), "parity_same": same})
+    return 0

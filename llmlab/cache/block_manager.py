@@ -1,0 +1,405 @@
+"""The block manager behind PagedAttention: KV memory handed out in fixed-size blocks.
+
+The KV cache is cut into ``num_blocks`` physical blocks of ``block_size`` token slots,
+like pages of virtual memory. Each sequence owns a *block table*: logical block i of the
+sequence (tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block
+``table[i]``, and token ``pos`` is stored at slot ``table[pos // bs] * bs + pos % bs``.
+Blocks are allocated one at a time as a sequence grows, so a sequence never holds more
+than ``block_size - 1`` unused slots, and the physical blocks need not be contiguous.
+
+Sharing:
+
+* ``fork(parent, child)`` gives the child the parent's table and bumps the blocks'
+  reference counts (parallel sampling, beam search). The first write into a shared,
+  partly filled last block triggers *copy-on-write*: ``append_slot`` gives the writer a
+  fresh block and returns ``(src, dst)`` so the caller copies the K/V already there.
+* Prefix caching: a *full* block is identified by a hash of its tokens chained with the
+  hash of the block before it (so equal blocks at equal depths after equal prefixes
+  match). ``allocate`` reuses cached blocks for the longest matching prefix, comparing
+  the tokens on a hash hit. Blocks whose reference count drops to zero keep their
+  content and stay findable until the pool needs them; they are evicted least recently
+  used first. The last prompt token is always recomputed (its logits are needed), so
+  the block that holds it is never taken from the cache.
+
+Running out of blocks raises :class:`NoFreeBlocksError` *before* anything changes, and
+``can_allocate`` / ``can_append`` answer whether an operation would succeed, so a
+scheduler can preempt a sequence (free it and recompute later) instead of crashing.
+
+Taught in notebook 04 (PagedAttention).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The block pool cannot satisfy a request; nothing was changed.
+
+    ``needed`` blocks were asked for and ``free`` were available. A scheduler catches
+    this (or asks ``can_allocate`` / ``can_append`` first) and preempts a sequence.
+    """
+
+    def __init__(self, needed: int, free: int, what: str = "allocate"):
+        self.needed, self.free = needed, free
+        super().__init__(f"{what}: needs {needed} free KV block(s) but only {free} are free; "
+                         "free or preempt a sequence first")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size!r} must be a power of two "
+                         "(1, 2, 4, ..., 256)")
+
+
+def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
+    """Hash of a full block: its tokens chained with the hash of the block before it.
+
+    Python's hash of a tuple of ints is deterministic across runs (no salt for ints).
+    """
+    return hash((parent_hash, tuple(tokens)))
+
+
+class BlockAllocator:
+    """A pool of physical block ids with reference counts and a prefix-cache index.
+
+    A block is in exactly one of three states: *in use* (ref_count > 0), *cached*
+    (ref_count == 0 but its content is still indexed by hash, evictable, least recently
+    used first) or *free* (in the free list, content meaningless). Cached blocks count
+    as free space: they are reclaimed on demand.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+        _check_block_size(block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # LRU first
+        self._hash_to_block: dict[int, int] = {}
+        self._block_key: dict[int, tuple] = {}                    # block -> (hash, parent, tokens)
+        self.evictions = 0
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free + cached-but-unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks whose content is still findable by hash."""
+        return len(self._evictable)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    # -- allocation ----------------------------------------------------------------
+    def allocate(self) -> int:
+        """A block with reference count 1; evicts the least recently used cached block
+        when the free list is empty. Raises NoFreeBlocksError when neither exists."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            self.evictions += 1
+        else:
+            raise NoFreeBlocksError(1, 0)
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            if block not in self._evictable:
+                raise ValueError(f"block {block} is free; only blocks in use or cached can be shared")
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> int:
+        """Drop one reference; at zero the block is cached (if hashed) or freed."""
+        if self.ref_counts[block] <= 0:
+            raise ValueError(f"block {block} has no references to drop (double free?)")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self._block_key:
+                self._evictable[block] = None          # most recently used at the end
+            else:
+                self._free.append(block)
+        return self.ref_counts[block]
+
+    # -- prefix-cache index --------------------------------------------------------
+    def lookup(self, block_hash: int, parent_hash: int | None, tokens: tuple) -> int | None:
+        """The cached block with this hash *and* these tokens after this parent, or None."""
+        block = self._hash_to_block.get(block_hash)
+        if block is None or self._block_key[block] != (block_hash, parent_hash, tokens):
+            return None
+        return block
+
+    def register(self, block: int, block_hash: int, parent_hash: int | None,
+                 tokens: tuple) -> None:
+        """Index a full block by hash (the first block with a given hash wins)."""
+        if block_hash in self._hash_to_block or block in self._block_key:
+            return
+        self._hash_to_block[block_hash] = block
+        self._block_key[block] = (block_hash, parent_hash, tokens)
+
+    def _forget(self, block: int) -> None:
+        key = self._block_key.pop(block, None)
+        if key is not None and self._hash_to_block.get(key[0]) == block:
+            del self._hash_to_block[key[0]]
+
+
+@dataclass
+class _SeqState:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    tokens: list[int | None] = field(default_factory=list)   # None: token id not known
+    hashes: list[int] = field(default_factory=list)          # hashes of the full blocks
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0          # prompt tokens looked up
+    hits: int = 0             # prompt tokens served from cached blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockManager:
+    """Block tables for many sequences over one :class:`BlockAllocator`.
+
+    >>> bm = BlockManager(num_blocks=8, block_size=4)
+    >>> bm.allocate("a", [1, 2, 3, 4, 5])       # 5 tokens -> 2 blocks, nothing cached yet
+    0
+    >>> bm.block_table("a"), bm.num_free_blocks
+    ([0, 1], 6)
+    >>> bm.append_slot("a", token_id=6)        # slot for token 6 (position 5), no copy
+    (5, None)
+
+    The API is what a continuous-batching scheduler needs: ``can_allocate`` and
+    ``allocate`` for a waiting prompt (returns how many prompt tokens are already
+    cached), ``can_append`` and ``append_slot`` for each decode step (returns the slot to
+    write and an optional copy-on-write ``(src, dst)``), ``fork``, ``free``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._seqs: dict[Hashable, _SeqState] = {}
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.allocator.num_free
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block ids of the sequence, logical order (a copy)."""
+        return list(self._state(seq_id).blocks)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Token slots the sequence has reserved so far (prompt + appended)."""
+        return self._state(seq_id).num_tokens
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        """Flat slot of token ``position``: ``table[pos // bs] * bs + pos % bs``."""
+        st = self._state(seq_id)
+        if not 0 <= position < st.num_tokens:
+            raise ValueError(f"position {position} is outside sequence {seq_id!r} "
+                             f"of {st.num_tokens} tokens")
+        bs = self.block_size
+        return st.blocks[position // bs] * bs + position % bs
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Slots of positions ``start .. end - 1``."""
+        return [self.slot(seq_id, p) for p in range(start, end)]
+
+    def _state(self, seq_id: Hashable) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id!r}; known: {list(self._seqs)[:8]}") from None
+
+    # -- prompt allocation ---------------------------------------------------------
+    def _blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest cached prefix of ``tokens``.
+
+        Only full blocks strictly before the block holding the last token can match,
+        because the last prompt token must be recomputed to get its logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs, parent = self.block_size, None
+        blocks, hashes = [], []
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash_block(parent, chunk)
+            block = self.allocator.lookup(h, parent, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def num_blocks_to_allocate(self, prompt_tokens: Sequence[int]) -> int:
+        """Free blocks ``allocate`` would consume (cache hits on unreferenced blocks count)."""
+        hits, _ = self._match_prefix(prompt_tokens)
+        fresh = self._blocks_for(len(prompt_tokens)) - len(hits)
+        return fresh + sum(1 for b in hits if self.allocator.is_evictable(b))
+
+    def can_allocate(self, prompt_tokens: Sequence[int]) -> bool:
+        return self.num_blocks_to_allocate(prompt_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int]) -> int:
+        """Reserve slots for a prompt; returns how many leading tokens are already cached.
+
+        The caller computes K/V only for ``prompt_tokens[cached:]`` (at least the last
+        token). Raises NoFreeBlocksError (changing nothing) when the pool is too small.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks; free it first")
+        tokens = [int(t) for t in prompt_tokens]
+        if not tokens:
+            raise ValueError("prompt_tokens is empty; a sequence needs at least one token")
+        needed = self.num_blocks_to_allocate(tokens)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.num_free_blocks, f"allocate {seq_id!r}")
+        hits, hashes = self._match_prefix(tokens)
+        for block in hits:                       # claim hits before fresh blocks can evict them
+            self.allocator.incref(block)
+        blocks = list(hits)
+        for _ in range(self._blocks_for(len(tokens)) - len(hits)):
+            blocks.append(self.allocator.allocate())
+        st = _SeqState(blocks=blocks, num_tokens=len(tokens), tokens=tokens, hashes=hashes)
+        self._seqs[seq_id] = st
+        self._register_full_blocks(st)
+        cached = len(hits) * self.block_size
+        self.stats.queries += len(tokens)
+        self.stats.hits += cached
+        return cached
+
+    def _register_full_blocks(self, st: _SeqState) -> None:
+        """Index every full block not yet hashed (its K/V are written in the same step)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while len(st.hashes) < st.num_tokens // bs:
+            i = len(st.hashes)
+            chunk = st.tokens[i * bs:(i + 1) * bs]
+            if any(t is None for t in chunk):
+                return                            # unknown tokens: the chain stops here
+            parent = st.hashes[-1] if st.hashes else None
+            h = hash_block(parent, chunk)
+            self.allocator.register(st.blocks[i], h, parent, tuple(chunk))
+            st.hashes.append(h)
+
+    # -- decode --------------------------------------------------------------------
+    def num_blocks_to_append(self, seq_id: Hashable) -> int:
+        """1 if the next ``append_slot`` needs a new block (block boundary or copy-on-write)."""
+        st = self._state(seq_id)
+        if st.num_tokens % self.block_size == 0:
+            return 1
+        return 1 if self.allocator.ref_counts[st.blocks[-1]] > 1 else 0
+
+    def can_append(self, seq_id: Hashable) -> bool:
+        return self.num_blocks_to_append(seq_id) <= self.num_free_blocks
+
+    def append_slot(self, seq_id: Hashable, token_id: int | None = None
+                    ) -> tuple[int, tuple[int, int] | None]:
+        """Reserve the slot for the sequence's next token; -> (slot, copy-on-write or None).
+
+        ``token_id`` is the token whose K/V will be written there (needed to hash the
+        block for prefix caching when it fills; None skips that). When the last block is
+        shared with another sequence it is copied first: the return value then carries
+        ``(src_block, dst_block)`` and the caller must copy the K/V of ``src`` to ``dst``
+        before writing. Raises NoFreeBlocksError (changing nothing) when a block is
+        needed and none is free.
+        """
+        st = self._state(seq_id)
+        bs = self.block_size
+        cow = None
+        if st.num_tokens % bs == 0:
+            if self.num_free_blocks < 1:
+                raise NoFreeBlocksError(1, 0, f"append to {seq_id!r}")
+            st.blocks.append(self.allocator.allocate())
+        else:
+            last = st.blocks[-1]
+            if self.allocator.ref_counts[last] > 1:
+                if self.num_free_blocks < 1:
+                    raise NoFreeBlocksError(1, 0, f"copy-on-write for {seq_id!r}")
+                new = self.allocator.allocate()
+                self.allocator.decref(last)
+                st.blocks[-1] = new
+                cow = (last, new)
+        pos = st.num_tokens
+        st.num_tokens += 1
+        st.tokens.append(None if token_id is None else int(token_id))
+        self._register_full_blocks(st)
+        return st.blocks[pos // bs] * bs + pos % bs, cow
+
+    # -- sharing and release -------------------------------------------------------
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """The child shares all of the parent's blocks (copy-on-write on the next write)."""
+        if child in self._seqs:
+            raise ValueError(f"sequence {child!r} already exists; fork needs a new id")
+        st = self._state(parent)
+        for block in st.blocks:
+            self.allocator.incref(block)
+        self._seqs[child] = _SeqState(blocks=list(st.blocks), num_tokens=st.num_tokens,
+                                      tokens=list(st.tokens), hashes=list(st.hashes))
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence's references; its full blocks stay cached until evicted.
+
+        Blocks are released last-first, so the tail of a sequence is evicted before its
+        (more shareable) head.
+        """
+        st = self._seqs.pop(seq_id, None)
+        if st is None:
+            raise ValueError(f"unknown sequence {seq_id!r}; known: {list(self._seqs)[:8]}")
+        for block in reversed(st.blocks):
+            self.allocator.decref(block)
+
+    # -- checking ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by the tests)."""
+        a = self.allocator
+        refs = [0] * self.num_blocks
+        for st in self._seqs.values():
+            assert len(st.blocks) == self._blocks_for(st.num_tokens), "table length"
+            assert len(st.tokens) == st.num_tokens, "token list length"
+            for b in st.blocks:
+                refs[b] += 1
+        assert refs == a.ref_counts, "reference counts differ from table references"
+        free, cached = set(a._free), set(a._evictable)
+        assert len(free) == len(a._free), "a block is twice in the free list"
+        assert not free & cached, "a block is both free and cached"
+        used = {b for b in range(self.num_blocks) if refs[b] > 0}
+        assert not used & (free | cached), "a block is both free and in use"
+        assert used | free | cached == set(range(self.num_blocks)), "a block was lost"
+        for b in cached:
+            assert b in a._block_key, "a cached block has no hash"
+        for h, b in a._hash_to_block.items():
+            assert a._block_key[b][0] == h, "hash index points at the wrong block"

@@ -1,0 +1,190 @@
+"""The contiguous KV cache: one preallocated K and V tensor per layer.
+
+Without a cache every generated token re-runs the model over the whole sequence. With
+one, the prompt runs once (*prefill*, all prompt tokens in one forward) and each later
+step feeds only the newest token (*decode*): its K and V are appended here, and its
+single query attends to everything stored. Taught in notebook 02.
+
+Layout, per layer: ``k[layer]`` and ``v[layer]`` are ``[batch, kv_heads, max_len, head_dim]``,
+allocated once for the longest sequence the generation can reach, so no step allocates.
+Rows of a batch are left-padded and share one write offset (``length``); a
+``[batch, max_len]`` bool mask records which slots hold real tokens, and each row counts
+its real tokens so the next position is known.
+
+One step of the model with the cache::
+
+    positions = cache.begin(num_new, attention_mask)   # announce the new tokens
+    logits = model(ids, positions=positions, cache=cache, last_only=True)
+    cache.advance()                                    # commit them
+
+Inside the forward every attention layer calls ``cache.attend(layer_idx, q, k, v, backend)``,
+the interface every cache in :mod:`llmlab.cache` implements.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+def kv_bytes_per_token(config: ModelConfig, bytes_per_el: int = 2) -> int:
+    """Bytes of K and V one token occupies across all layers: 2 · layers · kv_heads · head_dim · bytes.
+
+    The 2 is K and V. ``bytes_per_el`` is 2 for float16/bfloat16, 4 for float32.
+    """
+    if bytes_per_el not in (1, 2, 4, 8):
+        raise ValueError(f"bytes_per_el={bytes_per_el!r}; allowed: 1, 2, 4, 8")
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * bytes_per_el
+
+
+def kv_cache_bytes(config: ModelConfig, batch: int, seq_len: int, bytes_per_el: int = 2) -> int:
+    """Bytes of a cache holding ``batch`` sequences of ``seq_len`` tokens."""
+    if batch < 1 or seq_len < 0:
+        raise ValueError(f"batch={batch} must be >= 1 and seq_len={seq_len} >= 0")
+    return batch * seq_len * kv_bytes_per_token(config, bytes_per_el)
+
+
+class ContiguousKVCache:
+    """Preallocated K/V per layer, ``[batch, kv_heads, max_len, head_dim]``.
+
+    ``length`` slots (the same for every row) are filled; ``key_padding_mask[:, :length]``
+    is True where a slot holds a real token (False for left padding, or for tokens fed
+    to a row that already finished); ``real_lengths`` [batch] counts the real tokens.
+    """
+
+    name = "contiguous"
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        for label, value in (("num_layers", num_layers), ("batch", batch),
+                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                             ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        self.num_layers, self.batch, self.max_len = num_layers, batch, max_len
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_padding_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.real_lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0
+        self._pending = 0            # tokens announced by begin(), written by attend()
+        self._padded = False         # any False in key_padding_mask[:, :length + pending]?
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_len: int) -> "ContiguousKVCache":
+        """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype."""
+        c = model.config
+        if max_len > c.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} is past the model's context of "
+                             f"{c.max_position_embeddings} tokens")
+        return cls(c.num_layers, batch, c.num_kv_heads, c.head_dim, max_len,
+                   dtype=model.dtype, device=model.device)
+
+    # -- size ------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K and V tensors (the whole preallocation, used or not)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the slots filled so far."""
+        return self.nbytes * self.length // self.max_len
+
+    # -- per-step bookkeeping ------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every token (the tensors are kept for reuse)."""
+        self.key_padding_mask.zero_()
+        self.real_lengths.zero_()
+        self.length, self._pending, self._padded = 0, 0, False
+
+    def begin(self, num_new: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Announce ``num_new`` tokens per row for the next forward; returns their positions.
+
+        attention_mask [batch, num_new]: 1/True for real tokens, 0 for padding (None: all
+        real). Positions count real tokens only, so a left-padded row starts at 0:
+        returns positions [batch, num_new] (long).
+        """
+        if self._pending:
+            raise ValueError("begin() called twice without advance(); call advance() after "
+                             "each forward")
+        if not isinstance(num_new, int) or num_new < 1:
+            raise ValueError(f"num_new={num_new!r} must be a positive int")
+        end = self.length + num_new
+        if end > self.max_len:
+            raise ValueError(f"{num_new} new tokens do not fit: {self.length} of max_len="
+                             f"{self.max_len} slots are used")
+        slots = self.key_padding_mask[:, self.length:end]
+        if attention_mask is None:
+            slots.fill_(True)
+            positions = self.real_lengths[:, None] + torch.arange(num_new, device=slots.device)
+        else:
+            if tuple(attention_mask.shape) != (self.batch, num_new):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
+                                 f"expected (batch, num_new) = ({self.batch}, {num_new})")
+            real = attention_mask.to(torch.bool)
+            slots.copy_(real)
+            self._padded = self._padded or not bool(real.all())
+            positions = self.real_lengths[:, None] + real.long().cumsum(-1) - 1
+            positions = positions.clamp_min(0)
+        self._pending = num_new
+        return positions
+
+    def advance(self) -> None:
+        """Commit the tokens announced by :meth:`begin` (after the forward wrote them)."""
+        n = self._pending
+        if not n:
+            raise ValueError("advance() without begin(): nothing to commit")
+        self.real_lengths += self.key_padding_mask[:, self.length:self.length + n].sum(-1)
+        self.length += n
+        self._pending = 0
+
+    # -- the interface every cache implements --------------------------------------------
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend) -> torch.Tensor:
+        """Store the new K/V of layer ``layer_idx`` and attend over everything stored.
+
+        q [batch, seq_q, heads, head_dim]; k, v [batch, seq_q, kv_heads, head_dim] for
+        the new tokens only, already rotated. Returns [batch, seq_q, heads, head_dim].
+        """
+        s = k.shape[1]
+        if s != self._pending:
+            raise ValueError(f"attend got {s} new tokens but begin() announced {self._pending}")
+        start, end = self.length, self.length + s
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        kc[:, :, start:end] = k.transpose(1, 2)
+        vc[:, :, start:end] = v.transpose(1, 2)
+        mask = self.key_padding_mask[:, :end] if self._padded else None
+        k_all, v_all = kc[:, :, :end].transpose(1, 2), vc[:, :, :end].transpose(1, 2)
+        if s > 1:
+            return backend.forward(q, k_all, v_all, causal=True, key_padding_mask=mask)
+        return decode_grouped(q, k_all, v_all, backend, mask)
+
+    def __repr__(self) -> str:
+        return (f"ContiguousKVCache(layers={self.num_layers}, batch={self.batch}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"length={self.length}/{self.max_len}, {self.nbytes / 2**20:.1f} MiB)")
+
+
+def decode_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend,
+                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode query per sequence against the cache, without copying K/V per query head.
+
+    q [batch, 1, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim] (any strides);
+    returns [batch, 1, heads, head_dim]. Under grouped-query attention the ``heads //
+    kv_heads`` query heads that share a KV head are moved into the query-length axis, so
+    the backend sees ``kv_heads`` heads with ``heads // kv_heads`` queries each and needs no
+    repeated K/V. A single query sees every stored key, so no causal mask is needed.
+    """
+    b, _, h, d = q.shape
+    kv = k.shape[2]
+    groups = h // kv
+    if groups == 1:
+        return backend.forward(q, k, v, causal=False, key_padding_mask=key_padding_mask)
+    # query head i uses KV head i // groups: [b, 1, kv·g, d] -> [b, g, kv, d]
+    qg = q.reshape(b, kv, groups, d).transpose(1, 2)
+    out = backend.forward(qg, k, v, causal=False, key_padding_mask=key_padding_mask)
+    return out.transpose(1, 2).reshape(b, 1, h, d)

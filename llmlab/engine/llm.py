@@ -1,0 +1,481 @@
+"""The serving engine and its offline API, shaped like vLLM's.
+
+    llm = LLM(model="smollm2-135m", kv_cache="paged", scheduler="continuous",
+              block_size=16, max_num_seqs=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64))
+    outs[0].outputs[0].text, outs[0].metrics.ttft_s
+
+:class:`LLMEngine` is the step loop: ``schedule`` (which sequences, how many tokens) →
+``execute`` (one forward over the paged KV cache) → ``sample`` (one token per
+sequence, each with its own parameters) → ``finish`` checks (EOS, stop strings,
+max_tokens, context) that free seats and blocks for the next step. :class:`LLM` wraps
+it: prompts in, :class:`RequestOutput` per prompt out, in input order, with TTFT, TPOT
+and end-to-end latency per request; ``chat`` applies the chat template; ``stream``
+yields tokens as they are produced. Taught in notebook 05.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from ..cache.paged import PagedKVCache
+from .runner import DECODE_ATTENTION, ModelRunner
+from .sampler import sample_rows
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .sequence import (CompletionOutput, Request, RequestOutput, SamplingParams, Sequence,
+                       SequenceStatus)
+
+KV_CACHES = ("paged",)
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did (for the occupancy and padding pictures)."""
+
+    step: int
+    start_s: float
+    end_s: float
+    num_seqs: int
+    prefill_tokens: int          # new tokens of sequences still reading their prompt
+    decode_tokens: int           # one per decoding sequence
+    computed_tokens: int         # token positions the forward ran (pads included)
+    preempted: int
+    free_blocks: int
+    occupancy: list[int]         # per seat: request id, EMPTY (-1) or HELD (-2)
+
+
+@dataclass
+class EngineStats:
+    steps: list[StepRecord] = field(default_factory=list)
+    num_preemptions: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(r.prefill_tokens + r.decode_tokens for r in self.steps)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(r.computed_tokens for r in self.steps)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Token positions computed for nothing (left pads of a padded batch)."""
+        return self.computed_tokens - self.real_tokens
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one completion, as :meth:`LLM.stream` yields them."""
+
+    index: int                   # which prompt (input order)
+    completion: int              # which of its n completions
+    token_id: int
+    text: str                    # the new text this token adds (may be "" mid-character)
+    finished: bool
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    """Requests in, tokens out, one :meth:`step` at a time (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, *, scheduler: str = "continuous", block_size: int = 16,
+                 num_blocks: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, decode_attention: str | None = None,
+                 seed: int = 0):
+        cfg = model.config
+        ctx = cfg.max_position_embeddings
+        max_model_len = ctx if max_model_len is None else max_model_len
+        if not isinstance(max_model_len, int) or not 1 <= max_model_len <= ctx:
+            raise ValueError(f"max_model_len={max_model_len!r} must be an int in 1..{ctx} "
+                             "(the model's context)")
+        self.config = SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
+                                      max_model_len)
+        if decode_attention is None:
+            decode_attention = "paged_triton" if model.device.type == "cuda" else "gather"
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}; allowed: "
+                             f"{list(DECODE_ATTENTION)}")
+        if num_blocks is None:
+            probe = PagedKVCache.for_model(model, 1, block_size)
+            per_seq = -(-max_model_len // block_size)
+            num_blocks = max(1, min(DEFAULT_KV_CACHE_BYTES // probe.bytes_per_block,
+                                    per_seq * max_num_seqs))
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size,
+                                            enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.cache.manager)
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_id = eos
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.runner = ModelRunner(model, self.cache, decode_attention, pad_token_id=pad)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._t0 = time.perf_counter()
+        self.stats = EngineStats()
+
+    # -- clock and requests ---------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds on the engine clock (arrival times and token times use it)."""
+        return time.perf_counter() - self._t0
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else \
+            int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return torch.Generator(device=self.model.device).manual_seed(seed)
+
+    def _reject_reason(self, ids: list[int], params: SamplingParams) -> str | None:
+        cfg, bm = self.config, self.cache.manager
+        if not ids:
+            return "the prompt is empty"
+        if len(ids) >= cfg.max_model_len:
+            return (f"prompt of {len(ids)} tokens does not fit the context of {cfg.max_model_len} "
+                    "tokens (it needs room for at least one new token)")
+        longest = min(len(ids) + params.max_tokens, cfg.max_model_len)
+        need = -(-longest // bm.block_size)
+        if need > bm.num_blocks:
+            return (f"a sequence of up to {longest} tokens needs {need} KV blocks but the pool "
+                    f"has only {bm.num_blocks}; raise num_blocks or lower max_tokens")
+        if params.n > cfg.max_num_seqs:
+            return f"n={params.n} completions exceed max_num_seqs={cfg.max_num_seqs}"
+        return None
+
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request (arrival_time on the engine clock; default: now).
+
+        A request that can never run (longer than the context, larger than the block
+        pool) is returned finished with ``error`` set; the others are unaffected.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams; got {type(params).__name__}")
+        ids = [int(t) for t in prompt_token_ids]
+        arrival = self.now() if arrival_time is None else float(arrival_time)
+        req = Request(next(self._request_ids), prompt, ids, params, arrival)
+        req.error = self._reject_reason(ids, params)
+        if req.error is None:
+            seq = Sequence(next(self._seq_ids), req, 0, ids, generator=self._generator(params, 0))
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Schedule, run and sample once; returns the (sequence, token) pairs produced.
+
+        Returns [] when nothing could run (e.g. the next request has not arrived yet).
+        """
+        start = self.now()
+        work = self.scheduler.schedule(start)
+        if work.is_empty:
+            return []
+        seats = self.scheduler.occupancy(self.config.max_num_seqs)
+        logits = self.runner.execute(work)
+        scheduled = [s.seq for s in work.scheduled]
+        for seq in scheduled:
+            seq.num_computed = seq.num_tokens
+        params = [s.request.params for s in scheduled]
+        tokens = sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [s.generator for s in scheduled])
+        now = self.now()
+        produced = []
+        for row, (seq, tok) in enumerate(zip(scheduled, tokens)):
+            req = seq.request
+            if not seq.output_token_ids and len(req.seqs) < req.params.n:
+                produced += self._fork(seq, logits[row], now)
+            self._append(seq, tok, now)
+            produced.append((seq, tok))
+        self._record(work, start, seats)
+        return produced
+
+    def _fork(self, parent: Sequence, logits: torch.Tensor, now: float) -> list:
+        """n > 1: the other completions share the parent's prompt blocks (copy-on-write)."""
+        req, made = parent.request, []
+        p = req.params
+        for index in range(1, p.n):
+            child = Sequence(next(self._seq_ids), req, index, list(parent.prompt_token_ids),
+                             num_computed=parent.num_computed,
+                             generator=self._generator(p, index))
+            self.cache.manager.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)
+            self.scheduler.add_running(child)
+            tok = sample_rows(logits[None], [p.temperature], [p.top_k], [p.top_p],
+                              [child.generator])[0]
+            self._append(child, tok, now)
+            made.append((child, tok))
+        return made
+
+    def _append(self, seq: Sequence, tok: int, now: float) -> None:
+        p = seq.request.params
+        seq.output_token_ids.append(tok)
+        seq.token_times.append(now)
+        status, reason = None, None
+        if tok == self.eos_token_id and not p.ignore_eos:
+            status, reason = SequenceStatus.FINISHED_STOPPED, tok
+        elif p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                cut, reason = min(hits)
+                seq.text = text[:cut]
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is None and (len(seq.output_token_ids) >= p.max_tokens
+                               or seq.num_tokens >= self.config.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(seq, status, reason, now)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason, now: float) -> None:
+        seq.status = status
+        seq.stop_reason = reason
+        seq.finish_time = now
+        if not isinstance(reason, str):
+            toks = seq.output_token_ids
+            if status is SequenceStatus.FINISHED_STOPPED:
+                toks = toks[:-1]
+            seq.text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        self.scheduler.finish(seq)
+
+    def _record(self, work: SchedulerOutput, start: float, seats: list[int]) -> None:
+        prefill = sum(s.num_new for s in work.scheduled if s.num_new > 1)
+        decode = sum(1 for s in work.scheduled if s.num_new == 1)
+        self.stats.num_preemptions += len(work.preempted)
+        self.stats.steps.append(StepRecord(
+            step=len(self.stats.steps), start_s=start, end_s=self.now(),
+            num_seqs=len(work.scheduled), prefill_tokens=prefill, decode_tokens=decode,
+            computed_tokens=work.num_padded_tokens, preempted=len(work.preempted),
+            free_blocks=self.cache.manager.num_free_blocks,
+            occupancy=seats))
+
+    # -- outputs ---------------------------------------------------------------------------
+    @staticmethod
+    def output(req: Request) -> RequestOutput:
+        if req.error is not None:
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [], True,
+                                 None, req.error)
+        outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
+                                 s.status.value if s.finished else None, s.stop_reason,
+                                 s.metrics(), s.num_preemptions)
+                for s in sorted(req.seqs, key=lambda s: s.index)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
+                             req.finished, outs[0].metrics if outs else None)
+
+    def _wait_for_arrival(self, start: float) -> None:
+        """Nothing could run at ``start``: sleep until the next request arrives."""
+        nxt = self.scheduler.next_arrival()
+        if nxt is None or nxt <= start:
+            raise RuntimeError("the scheduler made no progress; this is a bug "
+                               f"(waiting={len(self.scheduler.waiting)}, "
+                               f"running={len(self.scheduler.running)})")
+        time.sleep(max(0.0, min(nxt - self.now(), 0.05)))
+
+    def run(self, requests: list[Request], on_step=None) -> None:
+        """Step until every request is finished; waits for requests not yet arrived."""
+        t = self.now()
+        while self.has_unfinished():
+            start = self.now()
+            produced = self.step()
+            if on_step is not None:
+                on_step(produced)
+            if not produced:
+                self._wait_for_arrival(start)
+        self.stats.wall_s += self.now() - t
+
+
+def _as_params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} "
+                         f"(one per prompt); got {len(params)} items")
+    return params
+
+
+class LLM:
+    """Offline batched generation over the serving engine (vLLM-shaped).
+
+    ``model``: a registered name (``"smollm2-135m"``, ``"tiny-llama"``) or an already
+    loaded llmlab model (then pass ``tokenizer`` unless the model was loaded by name).
+    ``scheduler``: ``"continuous"`` or ``"static"`` (the padded baseline).
+    ``kv_cache``: ``"paged"`` (the engine's only cache). ``num_blocks``: KV blocks of
+    ``block_size`` tokens in the pool (default: what 512 MiB holds, at most enough for
+    ``max_num_seqs`` full-context sequences). ``attention``: the dense backend used when
+    loading by name (prompts from scratch use it).
+    """
+
+    def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
+                 scheduler: str = "continuous", block_size: int = 16,
+                 num_blocks: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, attention: str = "sdpa",
+                 decode_attention: str | None = None, device=None, seed: int = 0):
+        import llmlab
+
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache={kv_cache!r}; allowed: {list(KV_CACHES)} (the engine "
+                             "schedules over a paged cache)")
+        if isinstance(model, str):
+            name = model
+            model = llmlab.load_model(name, attention=attention, device=device)
+        else:
+            name = getattr(model, "name", None)
+            if not hasattr(model, "config") or not hasattr(model, "layers"):
+                raise ValueError(f"model must be a registered name or a loaded llmlab model; "
+                                 f"got {type(model).__name__}")
+        if tokenizer is None:
+            if name is None or name == "custom":
+                raise ValueError("pass tokenizer= for a model built by hand")
+            tokenizer = llmlab.load_tokenizer(name)
+        self.model, self.tokenizer = model, tokenizer
+        self.engine = LLMEngine(model, tokenizer, scheduler=scheduler, block_size=block_size,
+                                num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len,
+                                enable_prefix_caching=enable_prefix_caching,
+                                decode_attention=decode_attention, seed=seed)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt must be a string, a list of token ids or "
+                         f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    def _submit(self, prompts, sampling_params, arrival_times) -> list[Request]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty")
+        params = _as_params(sampling_params, len(prompts))
+        if arrival_times is not None:
+            arrival_times = [float(a) for a in arrival_times]
+            if len(arrival_times) != len(prompts) or any(a < 0 for a in arrival_times):
+                raise ValueError(f"arrival_times must be {len(prompts)} offsets >= 0 (seconds "
+                                 "after the call)")
+        eng = self.engine
+        eng.stats = EngineStats()
+        base = eng.now()
+        order = range(len(prompts))
+        if arrival_times is not None:   # the waiting queue is kept in arrival order
+            order = sorted(order, key=lambda i: arrival_times[i])
+        reqs: list[Request | None] = [None] * len(prompts)
+        for i in order:
+            text, ids = self._encode(prompts[i])
+            at = base + (arrival_times[i] if arrival_times is not None else 0.0)
+            reqs[i] = eng.add_request(ids, params[i], text, at)
+        return reqs
+
+    # -- the API -----------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True, arrival_times: list[float] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order.
+
+        ``prompts``: a string, a list of strings, token-id lists, or dicts with
+        ``prompt_token_ids``. ``sampling_params``: one for all, or one per prompt
+        (default ``SamplingParams()``: temperature 1, 16 tokens). ``arrival_times``:
+        seconds after the call at which each request arrives (simulated load); by
+        default all arrive at once. Per-request metrics are on ``output.metrics``;
+        the engine's step log is ``llm.stats``.
+        """
+        reqs = self._submit(prompts, sampling_params, arrival_times)
+        bar = None
+        if use_tqdm:
+            try:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(reqs), desc="requests", unit="req")
+            except ImportError:
+                bar = None
+        done = set()
+
+        def on_step(_):
+            if bar is None:
+                return
+            for r in reqs:
+                if r.request_id not in done and r.finished:
+                    done.add(r.request_id)
+                    bar.update(1)
+
+        on_step(None)
+        try:
+            self.engine.run(reqs, on_step)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self.engine.output(r) for r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | list | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations: one list of {"role", "content"} dicts, or a
+        list of them. The model's chat template adds the assistant turn header."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "(or a list of such lists)")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in conv):
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True,
+                                                      tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts, sampling_params: SamplingParams | list | None = None
+               ) -> Iterator[TokenEvent]:
+        """Yield each new token as the engine produces it (all prompts interleaved)."""
+        reqs = self._submit(prompts, sampling_params, None)
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        shown: dict[int, str] = {}
+        eng = self.engine
+        t = eng.now()
+        while eng.has_unfinished():
+            start = eng.now()
+            produced = eng.step()
+            if not produced:
+                eng._wait_for_arrival(start)
+            for seq, tok in produced:
+                key = seq.seq_id
+                if seq.finished:
+                    text = seq.text
+                else:
+                    text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                    if text.endswith("\ufffd"):     # half a character: wait for the rest
+                        text = shown.get(key, "")
+                before = shown.get(key, "")
+                delta = text[len(before):] if text.startswith(before) else text
+                shown[key] = text
+                yield TokenEvent(index[seq.request.request_id], seq.index, tok, delta,
+                                 seq.finished, seq.status.value if seq.finished else None)
+        eng.stats.wall_s += eng.now() - t
+
+    @property
+    def stats(self) -> EngineStats:
+        """The step log of the last generate / chat / stream call."""
+        return self.engine.stats
+
+
+__all__ = ["LLM", "LLMEngine", "EngineStats", "StepRecord", "TokenEvent"]

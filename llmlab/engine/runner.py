@@ -1,0 +1,305 @@
+"""The model runner: executes one scheduled step over the paged KV cache.
+
+Two input layouts, as the two scheduling policies need them:
+
+* **packed** (continuous batching): every sequence's new tokens are concatenated into
+  one row ``input_ids [1, total_tokens]``, with ``cu_seqlens`` (int32 ``[batch + 1]``)
+  marking where each sequence starts, as in FlashAttention's varlen API. A prefill of
+  300 tokens and twelve single-token decodes cost 312 token positions — no padding.
+* **padded** (the static baseline): new tokens are left-padded into a rectangle
+  ``[batch, max_new]``; pads cost compute but are never written to the cache (slot −1).
+
+The packed layout needs an attention that knows where sequences start and which
+cached tokens each one sees; :class:`PackedPagedAttention` is that cache object. It
+implements the same ``attend(layer_idx, q, k, v, backend)`` interface as every cache in
+:mod:`llmlab.cache`, storing K/V in a :class:`~llmlab.cache.paged.PagedKVCache`
+(``[num_blocks, block_size, kv_heads, head_dim]`` per layer, written by slot mapping).
+Per layer it attends, for each kind of row:
+
+* a fresh prompt (no cached prefix): the layer's own backend (naive/sdpa/flash) on that
+  sequence's rows, causal — nothing to read from the pool (short packs of several
+  prompts take one SDPA call with a block-diagonal causal mask built from cu_seqlens);
+* a prompt continuing a cached prefix, and decode tokens: keys and values read from the
+  pool through the block tables (``decode_attention``: ``"gather"`` copies the needed
+  slots with one ``index_select`` and runs SDPA with a length mask; ``"paged"`` and
+  ``"paged_triton"`` are the paged backends of notebook 04).
+
+Taught in notebook 05.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import attention as attn_backends
+from ..cache.paged import PAGED_BACKENDS, PagedKVCache
+from .scheduler import SchedulerOutput
+
+DECODE_ATTENTION = ("gather",) + PAGED_BACKENDS
+
+
+def gather_mask(seqlens: torch.Tensor, seq_q: int, length: int) -> torch.Tensor:
+    """Bool [batch, 1, seq_q, length]: key j is visible to new query i of a row whose
+    ``seqlens`` keys end with its ``seq_q`` new tokens (length mask + causal, bottom-right)."""
+    dev = seqlens.device
+    key_pos = torch.arange(length, device=dev)
+    lens = seqlens.long()
+    q_pos = lens[:, None] - seq_q + torch.arange(seq_q, device=dev)               # [b, sq]
+    allowed = (key_pos[None, None, :] < lens[:, None, None]) \
+        & (key_pos[None, None, :] <= q_pos[:, :, None])                           # [b, sq, L]
+    return allowed[:, None]
+
+
+def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     slots: torch.Tensor, seqlens: torch.Tensor,
+                     softmax_scale: float | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of new queries over keys read from a paged pool by flat slot index.
+
+    q [batch, seq_q, heads, head_dim]; k_pool, v_pool [num_blocks, block_size, kv_heads,
+    head_dim]; slots [batch, max_len] long: flat slot of each key position (any valid
+    slot past a row's length, it is masked); seqlens [batch]: keys per row, the new
+    tokens included (the new tokens are the last ``seq_q`` positions, causal
+    bottom-right). -> [batch, seq_q, heads, head_dim]. Grouped-query heads are not
+    expanded (SDPA's ``enable_gqa``). ``mask`` (from :func:`gather_mask`) may be passed
+    in when many layers share it.
+    """
+    batch, seq_q, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[2]
+    flat = slots.reshape(-1)
+    k = k_pool.view(-1, kv_heads, head_dim).index_select(0, flat)
+    v = v_pool.view(-1, kv_heads, head_dim).index_select(0, flat)
+    k = k.view(batch, -1, kv_heads, head_dim).transpose(1, 2)     # [b, kv, L, d]
+    v = v.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    if mask is None:
+        mask = gather_mask(seqlens.to(q.device), seq_q, slots.shape[1])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                         scale=softmax_scale, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2)
+
+
+def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens: torch.Tensor,
+                             softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal attention of packed sequences in one call, each seeing only itself.
+
+    q [total, heads, head_dim]; k, v [total, kv_heads, head_dim]; cu_seqlens int32
+    [batch + 1] -> [total, heads, head_dim]. The mask is [total, total] (block-diagonal,
+    causal inside each block), so use it for short packs; a varlen kernel never builds it.
+    """
+    total, heads, _ = q.shape
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths.long())
+    pos = torch.arange(total, device=q.device)
+    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=allowed,
+                                         scale=softmax_scale,
+                                         enable_gqa=heads != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class PackedBatch:
+    """Metadata of one packed step (all tensors on the cache's device)."""
+
+    cu_seqlens: torch.Tensor        # int32 [batch + 1]: row offsets into the packed tokens
+    num_new: list[int]              # new tokens per sequence
+    seqlens: torch.Tensor           # int32 [batch]: cached + new tokens per sequence
+    slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
+    block_table: torch.Tensor       # int32 [batch, max_blocks]
+    fresh: list[int]                # sequences with no cached prefix (prompt from scratch)
+    continued: list[int]            # prompts on top of a cached prefix
+    decode: list[int]               # one new token on top of the cache
+    decode_slots: torch.Tensor | None      # long [len(decode), max_len] for "gather"
+    decode_rows: torch.Tensor | None       # long [len(decode)]: their rows in the pack
+    decode_mask: torch.Tensor | None       # bool [len(decode), 1, 1, max_len]
+    continued_slots: list[torch.Tensor]    # long [1, seqlen] each
+
+
+class PackedPagedAttention:
+    """A cache object for packed steps over a :class:`PagedKVCache` (see module docstring).
+
+    ``prepare(seq_ids, num_new)`` before the forward returns positions [1, total];
+    every attention layer then calls ``attend``.
+    """
+
+    def __init__(self, paged: PagedKVCache, decode_attention: str = "gather"):
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}; allowed: "
+                             f"{list(DECODE_ATTENTION)}")
+        self.paged = paged
+        self.decode_attention = decode_attention
+        self.batch: PackedBatch | None = None
+        # up to this many fresh prompt tokens go through one block-diagonal SDPA call
+        # (one call instead of one per prompt); longer packs loop over the prompts
+        self.pack_limit = 1024
+
+    def _slots(self, table: list[int], length: int, width: int) -> list[int]:
+        bs = self.paged.block_size
+        return [table[p // bs] * bs + p % bs if p < length else table[0] * bs
+                for p in range(width)]
+
+    def prepare(self, seq_ids: list, num_new: list[int]) -> torch.Tensor:
+        bm = self.paged.manager
+        dev = self.paged.k[0].device
+        tables, lens, slot_map, positions = [], [], [], []
+        fresh, continued, decode = [], [], []
+        for i, (sid, n) in enumerate(zip(seq_ids, num_new)):
+            total = bm.num_tokens(sid)
+            if not 1 <= n <= total:
+                raise ValueError(f"num_new={n} for sequence {sid!r} of {total} reserved tokens; "
+                                 "allowed: 1..reserved")
+            tables.append(bm.block_table(sid))
+            lens.append(total)
+            slot_map += bm.slot_mapping(sid, total - n, total)
+            positions += range(total - n, total)
+            (fresh if n == total and n > 1 else decode if n == 1 else continued).append(i)
+        cu = [0]
+        for n in num_new:
+            cu.append(cu[-1] + n)
+        width = max(len(t) for t in tables)
+        table = torch.zeros((len(tables), width), dtype=torch.int32)
+        for row, t in enumerate(tables):
+            table[row, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        decode_slots = decode_rows = decode_mask = None
+        if decode:
+            longest = max(lens[i] for i in decode)
+            decode_slots = torch.tensor([self._slots(tables[i], lens[i], longest) for i in decode],
+                                        dtype=torch.long, device=dev)
+            decode_rows = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=dev)
+            decode_mask = gather_mask(torch.tensor([lens[i] for i in decode], device=dev), 1,
+                                      longest)
+        self.batch = PackedBatch(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), num_new=list(num_new),
+            seqlens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
+            block_table=table.to(dev), fresh=fresh, continued=continued, decode=decode,
+            decode_slots=decode_slots, decode_rows=decode_rows, decode_mask=decode_mask,
+            continued_slots=[torch.tensor([self._slots(tables[i], lens[i], lens[i])],
+                                          dtype=torch.long, device=dev) for i in continued])
+        return torch.tensor(positions, dtype=torch.long, device=dev)[None]
+
+    def _pool_attention(self, layer_idx: int, q: torch.Tensor, rows: list[int],
+                        slots: torch.Tensor | None, mask: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """Attention for sequences ``rows`` (equal new-token counts) over the pool."""
+        b = self.batch
+        k_pool, v_pool = self.paged.k[layer_idx], self.paged.v[layer_idx]
+        idx = torch.tensor(rows, device=q.device)
+        if self.decode_attention == "gather":
+            return gather_attention(q, k_pool, v_pool, slots, b.seqlens[idx], mask=mask)
+        fn = attn_backends.get(self.decode_attention).with_kvcache
+        return fn(q, k_pool, v_pool, b.seqlens[idx], b.block_table[idx], causal=True)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend) -> torch.Tensor:
+        """q [1, total, heads, head_dim]; k, v [1, total, kv_heads, head_dim] -> [1, total, heads, head_dim]."""
+        b = self.batch
+        if b is None:
+            raise ValueError("call prepare(seq_ids, num_new) before the forward")
+        if q.shape[0] != 1 or q.shape[1] != b.slot_mapping.numel():
+            raise ValueError(f"packed q must be [1, {b.slot_mapping.numel()}, heads, head_dim]; "
+                             f"got {tuple(q.shape)}")
+        q, k, v = q[0], k[0], v[0]
+        self.paged.write(layer_idx, k, v, b.slot_mapping)
+        out = torch.empty_like(q)
+        cu = b.cu_seqlens.tolist() if len(b.fresh) + len(b.continued) else None
+        self._fresh_attention(layer_idx, q, k, v, backend, cu, out)
+        for j, i in enumerate(b.continued):
+            s, e = cu[i], cu[i + 1]
+            out[s:e] = self._pool_attention(layer_idx, q[None, s:e], [i], b.continued_slots[j])[0]
+        if b.decode:
+            rows = b.decode_rows
+            out[rows] = self._pool_attention(layer_idx, q[rows][:, None], b.decode,
+                                             b.decode_slots, b.decode_mask)[:, 0]
+        return out[None]
+
+    def _fresh_attention(self, layer_idx, q, k, v, backend, cu, out) -> None:
+        """Prompts from scratch: their K/V are the new ones, no need to read the pool."""
+        b = self.batch
+        if not b.fresh:
+            return
+        name = getattr(backend, "name", None)
+        total = sum(cu[i + 1] - cu[i] for i in b.fresh)
+        if name in ("naive", "sdpa") and len(b.fresh) > 1 and total <= self.pack_limit:
+            idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in b.fresh]).to(q.device)
+            lens = [0] + [cu[i + 1] - cu[i] for i in b.fresh]
+            local = torch.tensor(lens, device=q.device).cumsum(0).to(torch.int32)
+            out[idx] = block_diagonal_attention(q[idx], k[idx], v[idx], local)
+            return
+        for i in b.fresh:
+            s, e = cu[i], cu[i + 1]
+            if name in PAGED_BACKENDS:
+                out[s:e] = self._pool_attention(layer_idx, q[None, s:e], [i],
+                                                self._fresh_slots(i))[0]
+            else:
+                out[s:e] = backend.forward(q[None, s:e], k[None, s:e], v[None, s:e], causal=True)[0]
+
+    def _fresh_slots(self, i: int) -> torch.Tensor:
+        b = self.batch
+        s, e = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
+        return b.slot_mapping[s:e][None]
+
+
+class ModelRunner:
+    """Runs a :class:`SchedulerOutput` through the model; returns last-token logits.
+
+    ``paged`` holds the K/V pool and the block manager the scheduler allocates from.
+    """
+
+    def __init__(self, model, paged: PagedKVCache, decode_attention: str = "gather",
+                 pad_token_id: int = 0):
+        self.model = model
+        self.paged = paged
+        self.packed = PackedPagedAttention(paged, decode_attention)
+        self.pad_token_id = pad_token_id
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+        """-> logits [num_scheduled, vocab] for the last new token of each sequence."""
+        self.paged.copy_blocks(step.block_copies)
+        seqs = [s.seq for s in step.scheduled]
+        num_new = [s.num_new for s in step.scheduled]
+        ids = [s.seq.all_token_ids[-s.num_new:] for s in step.scheduled]
+        dev = self.model.device
+        # a step of single-token decodes has nothing to pad: both layouts are the same,
+        # so it takes the packed path (one attention implementation for both policies)
+        if step.packed or all(n == 1 for n in num_new):
+            positions = self.packed.prepare([s.seq_id for s in seqs], num_new)
+            flat = torch.tensor([t for row in ids for t in row], dtype=torch.long, device=dev)
+            last = self.packed.batch.cu_seqlens[1:].long() - 1
+            return self._forward_rows(flat[None], positions, self.packed, last)
+        positions = self.paged.prepare([s.seq_id for s in seqs], num_new)
+        width = positions.shape[1]
+        input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
+        for row, toks in enumerate(ids):
+            input_ids[row, width - len(toks):] = torch.tensor(toks, dtype=torch.long)
+        return self.model(input_ids.to(dev), positions=positions, cache=self.paged,
+                          last_only=True)[:, -1]
+
+    def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """The decoder over a packed row, with logits only at ``rows`` (each sequence's
+        last token) — the vocabulary projection is the most expensive matmul per token."""
+        m = self.model
+        top = int(positions.max())
+        if top >= m.config.max_position_embeddings:
+            raise ValueError(f"position {top} is past the model's context of "
+                             f"{m.config.max_position_embeddings} tokens")
+        x = m.embed_tokens(input_ids)
+        for layer in m.layers:
+            x = layer(x, positions, cache)
+        return m.lm_head(m.norm(x[0, rows]))
+
+
+def padding_tokens(lengths: list[int]) -> int:
+    """Pads a left-padded rectangle of these rows holds: batch · max − sum."""
+    return len(lengths) * max(lengths, default=0) - sum(lengths)
+
+
+__all__ = ["ModelRunner", "PackedPagedAttention", "PackedBatch", "gather_attention", "gather_mask",
+           "block_diagonal_attention",
+           "padding_tokens", "DECODE_ATTENTION"]

@@ -1,0 +1,279 @@
+"""The scheduler: which sequences run in the next forward pass, and with how many tokens.
+
+Two policies, chosen by name (``SchedulerConfig.policy``):
+
+* ``"static"`` — the baseline. A batch of up to ``max_num_seqs`` requests is formed
+  when the previous one has completely finished; its prompts are prefilled together,
+  left-padded to the longest, and the batch decodes until its *longest* member is done.
+  A member that finishes early keeps its seat empty: nobody joins mid-batch. KV blocks
+  for each member's full length (prompt + max_tokens) are reserved up front, as a
+  static server must.
+* ``"continuous"`` — iteration-level scheduling (Orca, vLLM). Every step, finished
+  sequences have already left; running sequences each get one decode token; then
+  waiting requests join, first come first served, while there are free seats
+  (``max_num_seqs``), token budget (``max_num_batched_tokens`` per step) and free KV
+  blocks. Their prompts are *packed* into the same forward without padding (the
+  "smart batching" the seed article on inference frameworks credits to
+  TurboTransformers): the runner gets one flat token list with ``cu_seqlens``.
+  When a running sequence needs a block and none is free, the newest running sequence
+  is *preempted by recompute*: its blocks are freed and it goes back to the front of
+  the waiting queue with all its tokens, to be prefilled again later. Nothing is lost.
+
+The scheduler owns the block manager calls (``allocate``, ``append_slot``, ``free``),
+so the runner only executes what it is given. Taught in notebook 05.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache.block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+POLICIES = ("static", "continuous")
+
+EMPTY, HELD = -1, -2   # occupancy codes: a free seat; a static seat whose member is done
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler. ``max_num_batched_tokens``: tokens per forward (prefill
+    tokens + one per decoding sequence); a prompt longer than it still runs, alone."""
+
+    policy: str = "continuous"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler={self.policy!r}; allowed: {list(POLICIES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int                 # tokens fed this step: seq.all_token_ids[-num_new:]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. ``packed``: the runner concatenates every sequence's new tokens
+    (no padding); otherwise it left-pads them into a [batch, max_new] rectangle."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    packed: bool = True
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Token positions the forward computes: the real ones, plus pads when not packed."""
+        if self.packed or not self.scheduled:
+            return self.num_tokens
+        return len(self.scheduled) * max(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting queue, running set and seat map over one :class:`BlockManager`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # admission order, oldest first
+        self.batch: list[Sequence] = []            # static: the current batch's members
+        self.seats: dict[int, Sequence | None] = {}
+        self.num_preemptions = 0
+
+    # -- queue --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (requests are added in arrival order)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running set right after its parent (same step)."""
+        seq.status = SequenceStatus.RUNNING
+        self._take_seat(seq)
+        self.running.append(seq)
+        if self.config.policy == "static":
+            self.batch.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_arrival(self) -> float | None:
+        """Arrival time of the head of the waiting queue (None if it is empty)."""
+        return self.waiting[0].request.arrival_time if self.waiting else None
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done: free its blocks; under ``continuous`` its seat frees too."""
+        if self.bm.has_seq(seq.seq_id):
+            self.bm.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if self.config.policy == "continuous":
+            self._release_seat(seq)
+
+    # -- seats (for the occupancy picture and the max_num_seqs limit) ---------------------
+    def _take_seat(self, seq: Sequence) -> None:
+        slot = 0
+        while self.seats.get(slot) is not None:
+            slot += 1
+        self.seats[slot] = seq
+        seq.slot = slot
+
+    def _release_seat(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.seats.get(seq.slot) is seq:
+            self.seats[seq.slot] = None
+        seq.slot = None
+
+    def occupancy(self, width: int | None = None) -> list[int]:
+        """Per seat: the request id seated there, EMPTY, or HELD (static, member done)."""
+        width = max(width or 0, max(self.seats, default=-1) + 1)
+        row = []
+        for slot in range(width):
+            s = self.seats.get(slot)
+            row.append(EMPTY if s is None else HELD if s.finished else s.request.request_id)
+        return row
+
+    def _seats_in_use(self) -> int:
+        """Running sequences plus seats promised to not-yet-forked completions."""
+        pending = {id(s.request): s.request.params.n - len(s.request.seqs)
+                   for s in self.running}
+        held = sum(1 for s in self.seats.values() if s is not None and s.finished)
+        return len(self.running) + sum(pending.values()) + held
+
+    def _seats_needed(self, seq: Sequence) -> int:
+        req = seq.request
+        return req.params.n if len(req.seqs) < req.params.n else 1
+
+    # -- preemption -----------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute later: free the blocks, back to the front of the waiting queue."""
+        self.bm.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.batch:
+            self.batch.remove(seq)
+        self._release_seat(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        """One new token per running sequence, preempting the newest when blocks run out.
+
+        Returns the number of tokens scheduled."""
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            while not self.bm.can_append(seq.seq_id):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            _, cow = self.bm.append_slot(seq.seq_id, seq.all_token_ids[-1])
+            if cow is not None:
+                out.block_copies.append(cow)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed))
+            kept.append(seq)
+        self.running = kept
+        return len(kept)
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Allocate the sequence's blocks and schedule its prefill; returns its new tokens."""
+        self.waiting.popleft()
+        cached = self.bm.allocate(seq.seq_id, seq.all_token_ids)
+        seq.num_computed = cached
+        seq.status = SequenceStatus.RUNNING
+        self._take_seat(seq)
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed))
+        return seq.num_uncomputed
+
+    # -- policies ----------------------------------------------------------------------------
+    def schedule(self, now: float = float("inf")) -> SchedulerOutput:
+        """Decide the next step. ``now``: the engine clock; requests arriving later wait."""
+        if self.config.policy == "continuous":
+            return self._schedule_continuous(now)
+        return self._schedule_static(now)
+
+    def _schedule_continuous(self, now: float) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(packed=True)
+        used = self._schedule_decodes(out)
+        if out.preempted:           # memory is tight: let the running ones drain first
+            return out
+        seats = self._seats_in_use()
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.request.arrival_time > now:
+                break
+            need = self._seats_needed(seq)
+            if seats + need > cfg.max_num_seqs:
+                break
+            if out.scheduled and used + seq.num_tokens > cfg.max_num_batched_tokens:
+                break
+            if not self.bm.can_allocate(seq.all_token_ids):
+                break
+            used += self._admit(seq, out)
+            seats += need
+        return out
+
+    def _blocks_reserved(self, seq: Sequence) -> int:
+        """Blocks a static server reserves for a member: its whole possible length, × n."""
+        req = seq.request
+        remaining = req.params.max_tokens - len(seq.output_token_ids)
+        length = min(seq.num_tokens + remaining, self.config.max_model_len)
+        return -(-length // self.bm.block_size) * self._seats_needed(seq)
+
+    def _schedule_static(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput(packed=False)
+        self.batch = [s for s in self.batch if not s.finished or s.slot is not None]
+        if self.batch and all(s.finished for s in self.batch):
+            for s in self.batch:       # the whole table has finished: free the seats
+                self._release_seat(s)
+            self.batch = []
+        if self.batch:
+            self._schedule_decodes(out)
+            return out
+        seats, blocks = 0, 0
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.request.arrival_time > now:
+                break
+            need_seats, need_blocks = self._seats_needed(seq), self._blocks_reserved(seq)
+            if seats and (seats + need_seats > self.config.max_num_seqs
+                          or blocks + need_blocks > self.bm.num_free_blocks):
+                break
+            if not self.bm.can_allocate(seq.all_token_ids):
+                break
+            seats += need_seats
+            blocks += need_blocks
+            self._admit(seq, out)
+            self.batch.append(seq)
+        return out
+
+
+__all__ = ["POLICIES", "SchedulerConfig", "Scheduler", "SchedulerOutput", "ScheduledSeq",
+           "EMPTY", "HELD"]

@@ -1,0 +1,192 @@
+"""Request state for the serving engine: sampling parameters, sequences, requests.
+
+A *request* is one prompt with its :class:`SamplingParams`; it owns ``n`` *sequences*
+(one per completion asked for). A sequence moves through the states
+
+    WAITING --admit--> RUNNING --finish--> FINISHED_*
+       ^                  |
+       +-----preempt------+        (blocks freed; recomputed later from its tokens)
+
+and keeps everything the scheduler needs: its tokens, how many of them already have
+K/V in the cache (``num_computed``), its batch slot, its random generator and the
+times its tokens came out (for TTFT / TPOT). Taught in notebook 05.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..profiling.metrics import RequestMetrics
+
+
+@dataclass
+class SamplingParams:
+    """How to turn logits into tokens for one request (vLLM's names and meanings).
+
+    ``temperature=0`` is greedy. ``top_k`` None (or -1) and ``top_p`` 1.0 disable those
+    filters. ``n`` completions share the prompt's KV blocks (a fork, copy-on-write).
+    ``stop``: strings that end a completion (not included in its text). ``ignore_eos``
+    keeps generating past the end-of-sequence token. ``seed`` makes sampling
+    reproducible per request, whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an int >= 1")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 "
+                             "(0 means greedy)")
+        if (not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool)
+                or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = None
+        if self.top_k is not None and (not isinstance(self.top_k, int)
+                                       or isinstance(self.top_k, bool) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 1, or None / -1 (disabled)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of them")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"n={self.n} needs temperature > 0: greedy decoding would give "
+                             f"{self.n} identical completions")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"        # end-of-sequence token or a stop string
+    FINISHED_LENGTH = "length"       # max_tokens or the context limit
+    FINISHED_REJECTED = "rejected"   # could never run (too long for the context or the pool)
+
+    @property
+    def finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion: prompt tokens + generated tokens, and its place in the engine."""
+
+    seq_id: int
+    request: "Request"
+    index: int                                   # which of the request's n completions
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0            # leading tokens whose K/V are in the cache
+    slot: int | None = None          # batch slot while admitted (for the occupancy picture)
+    generator: torch.Generator | None = None
+    token_times: list[float] = field(default_factory=list)   # engine clock, per output token
+    finish_time: float | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    text: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the next forward must feed (the whole prompt at first, then 1)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed > 1 or not self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def metrics(self) -> RequestMetrics:
+        """TTFT / end-to-end measured from the request's arrival, on the engine clock."""
+        arrival = self.request.arrival_time
+        n = len(self.output_token_ids)
+        ttft = self.token_times[0] - arrival if self.token_times else float("nan")
+        end = (self.finish_time if self.finish_time is not None
+               else (self.token_times[-1] if self.token_times else float("nan")))
+        return RequestMetrics(prompt_tokens=len(self.prompt_token_ids), output_tokens=n,
+                              ttft_s=ttft, e2e_s=end - arrival)
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and its parameters; owns ``params.n`` sequences once it is forked."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0        # engine clock (seconds since the engine started)
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (len(self.seqs) == self.params.n
+                                          and all(s.finished for s in self.seqs))
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's completions (vLLM's name)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None        # "stop", "length", or None while running
+    stop_reason: str | int | None = None   # the stop string or EOS id that ended it
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt, in input order.
+
+    ``error`` is set (and ``outputs`` empty) when the request was rejected, e.g. a
+    prompt longer than the context; the other requests of the batch still run.
+    ``metrics`` are those of the first completion: TTFT, TPOT, end-to-end latency.
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None
+
+
+__all__ = ["SamplingParams", "SequenceStatus", "Sequence", "Request", "CompletionOutput",
+           "RequestOutput"]

@@ -1,0 +1,90 @@
+"""Figures for notebook 02: the roofline, KV-cache memory, and the batch × length explorer.
+
+``explore(batch, seq_len, ...)`` is the widget callback of notebook 02: it redraws the
+KV-cache memory against sequence length and the roofline point of one decode step for
+the chosen batch size and sequence length. Points from the analytic model are drawn on
+the roof (attainable performance); measured points carry their measured FLOP/s.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from ..cache.contiguous import kv_cache_bytes
+from ..config import ModelConfig
+from ..profiling.flops import weight_bytes
+from ..profiling.roofline import Ceilings, RooflinePoint, decode_cost, prefill_cost
+
+_GFLOP = 1e9
+
+
+def plot_roofline(ceilings: Ceilings, points: list[RooflinePoint] = (), modelled: list = (),
+                  ax=None, title: str = "roofline"):
+    """Log-log roofline: the two measured roofs, measured ``points`` (filled) and
+    ``modelled`` :class:`~llmlab.profiling.roofline.Cost` items drawn on the roof (hollow)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    xs = [p.intensity for p in points] + [c.intensity for c in modelled] + [ceilings.ridge_point]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    grid = np.logspace(np.log10(lo), np.log10(hi), 200)
+    ax.loglog(grid, [ceilings.attainable(i) / _GFLOP for i in grid], "k-", lw=1.5,
+              label=f"roof: {ceilings.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+                    f"{ceilings.peak_flops_per_s / _GFLOP:.0f} GFLOP/s")
+    ax.axvline(ceilings.ridge_point, color="gray", ls=":", lw=1)
+    ax.text(ceilings.ridge_point, ceilings.peak_flops_per_s / _GFLOP * 1.15,
+            f"ridge {ceilings.ridge_point:.1f}", fontsize=7, ha="center", color="gray")
+    for p in points:
+        ax.loglog(p.intensity, p.flops_per_s / _GFLOP, "o", ms=6, label=f"{p.label} (measured)")
+    for c in modelled:
+        ax.loglog(c.intensity, ceilings.attainable(c.intensity) / _GFLOP, "o", mfc="none", ms=8,
+                  mew=1.5, label=f"{c.label} (model)")
+    ax.set(xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s", title=title)
+    ax.set_ylim(top=ceilings.peak_flops_per_s / _GFLOP * 2)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
+def plot_cache_memory(config: ModelConfig, batches=(1, 8, 32), max_seq: int | None = None,
+                      bytes_per_el: int = 4, ax=None, mark: tuple[int, int] | None = None):
+    """KV-cache bytes against sequence length, one line per batch size, with the weights
+    for scale; ``mark=(batch, seq_len)`` puts a dot on one configuration."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    max_seq = max_seq or config.max_position_embeddings
+    seqs = np.linspace(0, max_seq, 65).astype(int)
+    for b in batches:
+        ax.plot(seqs, [kv_cache_bytes(config, b, int(s), bytes_per_el) / 2**20 for s in seqs],
+                label=f"batch {b}")
+    ax.axhline(weight_bytes(config, bytes_per_el) / 2**20, color="k", ls="--", lw=1,
+               label="weights")
+    if mark is not None:
+        b, s = mark
+        ax.plot([s], [kv_cache_bytes(config, b, s, bytes_per_el) / 2**20], "ko", ms=7)
+    ax.set(xlabel="sequence length (tokens)", ylabel="MiB", title="KV cache memory")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return ax
+
+
+def explore(batch: int, seq_len: int, config: ModelConfig, ceilings: Ceilings,
+            bytes_per_el: int = 4, prompt_len: int = 32):
+    """The notebook-02 widget: cache memory and the decode step's roofline point for
+    ``batch`` sequences of ``seq_len`` tokens. Returns the figure and prints a summary."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a positive int")
+    if not isinstance(seq_len, int) or not 1 <= seq_len <= config.max_position_embeddings:
+        raise ValueError(f"seq_len={seq_len!r} must be in 1..{config.max_position_embeddings}")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5), dpi=80)
+    batches = sorted({1, batch, 4 * batch})
+    plot_cache_memory(config, batches, max(seq_len * 2, 256), bytes_per_el, a1, (batch, seq_len))
+    dec = decode_cost(config, batch, seq_len, bytes_per_el)
+    pre = prefill_cost(config, batch, prompt_len, bytes_per_el)
+    plot_roofline(ceilings, modelled=[pre, dec], ax=a2, title="roofline (model)")
+    bound = "memory" if dec.intensity < ceilings.ridge_point else "compute"
+    fig.tight_layout()
+    cache = kv_cache_bytes(config, batch, seq_len, bytes_per_el)
+    print(f"batch {batch}, {seq_len} tokens: KV cache {cache / 2**20:.1f} MiB; decode step "
+          f"{dec.intensity:.2f} FLOP/byte ({bound}-bound, ridge {ceilings.ridge_point:.1f}); "
+          f"at best {ceilings.attainable(dec.intensity) / dec.flops * batch:.0f} tokens/s")
+    return fig

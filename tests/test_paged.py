@@ -1,0 +1,220 @@
+"""Paged KV storage, the PyTorch paged-attention reference, and the paged cache in the model."""
+import pytest
+import torch
+
+import llmlab
+import llmlab.attention as A
+from llmlab.attention import naive_attention
+from llmlab.attention.paged import gather_kv, paged_attention_reference
+from llmlab.cache.block_manager import NoFreeBlocksError
+from llmlab.cache.paged import PagedKVCache, generate_paged
+
+from .conftest import FRANCE
+
+
+def make_paged(lens, block_size, kv_heads, head_dim, seed=0, spare=3):
+    """Random K/V for sequences of ``lens`` tokens, scattered over a shuffled block pool.
+
+    Returns the pool, block table, lengths and the dense per-sequence K/V.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + spare
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
+    dense = []
+    for i, (n, nb) in enumerate(zip(lens, need)):
+        blocks = [perm.pop() for _ in range(nb)]
+        table[i, :nb] = torch.tensor(blocks, dtype=torch.int32)
+        idx = torch.tensor(blocks)
+        dense.append((k_cache[idx].reshape(-1, kv_heads, head_dim)[:n],
+                      v_cache[idx].reshape(-1, kv_heads, head_dim)[:n]))
+    return k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), dense
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seq_q,causal", [(1, True), (4, True), (3, False)])
+def test_reference_matches_dense_attention(block_size, seq_q, causal):
+    lens = [5, 17, 4, 33]
+    heads, kv_heads, d = 6, 2, 8
+    k_cache, v_cache, table, seqlens, dense = make_paged(lens, block_size, kv_heads, d)
+    q = torch.randn(len(lens), seq_q, heads, d, generator=torch.Generator().manual_seed(3))
+    out = paged_attention_reference(q, k_cache, v_cache, seqlens, table, causal=causal)
+    assert out.shape == q.shape
+    for i, (k, v) in enumerate(dense):
+        ref = naive_attention(q[i:i + 1], k[None], v[None], causal=causal)
+        assert (out[i:i + 1] - ref).abs().max().item() < 1e-5
+
+
+def test_rows_that_see_no_key_are_zero():
+    k_cache, v_cache, table, _, _ = make_paged([2, 6], 4, 1, 8)
+    seqlens = torch.tensor([2, 6], dtype=torch.int32)
+    q = torch.randn(2, 4, 2, 8)
+    out = paged_attention_reference(q, k_cache, v_cache, seqlens, table)
+    assert torch.all(out[0, :2] == 0) and out[0, 2:].abs().sum() > 0   # left pads of row 0
+    assert not torch.isnan(out).any()
+
+
+def test_gather_follows_the_block_table():
+    cache = torch.arange(6 * 2, dtype=torch.float32).view(6, 2, 1, 1)   # slot value = slot id
+    table = torch.tensor([[4, 1, 3]], dtype=torch.int32)
+    got = gather_kv(cache, table, 5).flatten().tolist()
+    assert got == [8, 9, 2, 3, 6]
+
+
+def test_bad_paged_arguments_are_refused():
+    k_cache, v_cache, table, seqlens, _ = make_paged([5, 9], 4, 2, 8)
+    q = torch.randn(2, 1, 6, 8)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        paged_attention_reference(torch.randn(2, 1, 5, 8), k_cache, v_cache, seqlens, table)
+    with pytest.raises(ValueError, match="block_table must be"):
+        paged_attention_reference(q, k_cache, v_cache, seqlens, table[:1])
+    with pytest.raises(ValueError, match="exceeds what the block table maps"):
+        paged_attention_reference(q, k_cache, v_cache, torch.tensor([5, 99]), table)
+    with pytest.raises(ValueError, match="needs a paged KV cache"):
+        A.get("paged").forward(q, q, q)
+    assert {"paged", "paged_triton"} <= set(A.available())
+    assert A.get("paged_triton").with_kvcache is not None
+
+
+def test_write_by_slot_mapping_skips_minus_one():
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=3, block_size=2)
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]])
+    cache.write(0, k, -k, torch.tensor([5, -1, 0]))
+    flat = cache.k[0].view(-1, 2)[:, 0].tolist()
+    assert flat == [3.0, 0, 0, 0, 0, 1.0]
+    assert cache.v[0].view(-1, 2)[5, 0].item() == -1.0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llmlab.load_model("tiny-llama")
+
+
+def test_paged_cache_logits_match_no_cache(tiny):
+    """Ragged prompts, left-padded prefill, then decode steps: logits as without a cache."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 11, 6)]
+    cache = PagedKVCache.for_model(tiny, num_blocks=20, block_size=4)
+    bm = cache.manager
+    for sid, p in enumerate(prompts):
+        assert bm.allocate(sid, p) == 0
+    positions = cache.prepare([0, 1, 2], [len(p) for p in prompts])
+    ids = torch.zeros(3, 11, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, 11 - len(p):] = torch.tensor(p)
+    seqs = [list(p) for p in prompts]
+    with torch.no_grad():
+        logits = tiny(ids, positions=positions, cache=cache, last_only=True)[:, -1]
+        for step in range(5):
+            for sid, s in enumerate(seqs):
+                ref = tiny(torch.tensor([s]))[0, -1]
+                assert (logits[sid] - ref).abs().max().item() < 1e-4, (step, sid)
+            nxt = logits.argmax(-1).tolist()
+            for sid, t in enumerate(nxt):
+                seqs[sid].append(t)
+                bm.append_slot(sid, t)
+            positions = cache.prepare([0, 1, 2], [1, 1, 1])
+            logits = tiny(torch.tensor(nxt)[:, None], positions=positions, cache=cache,
+                          last_only=True)[:, -1]
+    bm.check_invariants()
+
+
+def test_fork_copy_on_write_in_the_model(tiny):
+    """Two branches forked from one prompt decode as if each had its own copy."""
+    prompt = list(range(300, 310))                       # 10 tokens: block 2 half full
+    cache = PagedKVCache.for_model(tiny, num_blocks=8, block_size=4)
+    bm = cache.manager
+    with torch.no_grad():
+        bm.allocate("p", prompt)
+        positions = cache.prepare(["p"], [10])
+        tiny(torch.tensor([prompt]), positions=positions, cache=cache)
+        bm.fork("p", "c")
+        used_after_fork = bm.num_used_blocks
+        branches = {"p": 7, "c": 9}
+        cows = []
+        for sid, tok in branches.items():
+            _, cow = bm.append_slot(sid, tok)
+            cows += [cow] if cow else []
+        assert len(cows) == 1 and used_after_fork == 3 and bm.num_used_blocks == 4
+        cache.copy_blocks(cows)
+        positions = cache.prepare(["p", "c"], [1, 1])
+        logits = tiny(torch.tensor([[7], [9]]), positions=positions, cache=cache)[:, -1]
+        for row, tok in enumerate(branches.values()):
+            ref = tiny(torch.tensor([prompt + [tok]]))[0, -1]
+            assert (logits[row] - ref).abs().max().item() < 1e-4
+
+
+def test_generate_paged_reuses_a_cached_prefix(tiny, tokenizer):
+    system = list(range(1000, 1040))                     # 40 shared tokens
+    a, b = system + [5, 6, 7], system + [8, 9]
+    cache = PagedKVCache.for_model(tiny, num_blocks=32, block_size=8)
+    first = generate_paged(tiny, tokenizer, [a], max_new_tokens=4, cache=cache, ignore_eos=True)
+    second = generate_paged(tiny, tokenizer, [b], max_new_tokens=4, cache=cache, ignore_eos=True)
+    alone = generate_paged(tiny, tokenizer, [b], max_new_tokens=4, ignore_eos=True)
+    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens == 40
+    assert second[0].token_ids == alone[0].token_ids
+    assert cache.manager.num_used_blocks == 0            # everything freed (and cached)
+    cache.manager.check_invariants()
+
+
+def test_generate_paged_out_of_blocks_is_clear(tiny, tokenizer):
+    with pytest.raises(NoFreeBlocksError, match="needs"):
+        generate_paged(tiny, tokenizer, [[1] * 40], max_new_tokens=4, block_size=8, num_blocks=2)
+    with pytest.raises(ValueError, match="backend='flash'"):
+        generate_paged(tiny, tokenizer, "hi", backend="flash")
+
+
+def test_smollm2_greedy_tokens_match_contiguous_or_baseline(smollm2, tokenizer):
+    """Ragged batch of two prompts. The contiguous cache is itself tested against the
+    no-cache baseline; without it (an older generate()) compare with the baseline."""
+    prompts = [FRANCE, "Name three colours."]
+    paged = generate_paged(smollm2, tokenizer, prompts, max_new_tokens=6, block_size=16)
+    try:
+        other = llmlab.generate(smollm2, tokenizer, prompts, max_new_tokens=6,
+                                kv_cache="contiguous")
+    except (TypeError, ValueError):    # a generate() without the contiguous cache
+        other = llmlab.generate(smollm2, tokenizer, prompts, max_new_tokens=6)
+    assert [g.token_ids for g in paged] == [g.token_ids for g in other]
+    assert paged[0].text.startswith("The capital of France is Paris")
+
+
+def test_viz_functions_draw(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from llmlab.cache import waste
+    from llmlab.viz import paged as pviz
+
+    shots = pviz.block_map_story()
+    assert [len(s.tables) for s in shots] == [2, 2, 2, 3]
+    assert shots[2].tables["C"][:2] == shots[1].tables["B"][:2]      # prefix hit
+    assert shots[3].tables["C"][:2] == shots[3].tables["D"][:2]      # shared after fork
+    assert shots[3].tables["C"][2] != shots[3].tables["D"][2]        # copied on write
+    pviz.plot_block_map_story(shots).savefig(tmp_path / "story.png")
+    reqs = [waste.Request(20, 30), waste.Request(50, 10), waste.Request(5, 60)]
+    sweep = waste.block_size_sweep(reqs, 512, block_sizes=(4, 16, 64))
+    fig = pviz.plot_block_size_tradeoff(16, sweep, {4: 2.0, 16: 1.0, 64: 0.8}, "cpu")
+    assert "block 16" in fig.axes[0].get_title()
+    with pytest.raises(ValueError, match="block_size=3"):
+        pviz.plot_block_size_tradeoff(3, sweep, {}, "cpu")
+    pviz.plot_waste_bars([waste.simulate(reqs, "max_len", 512)] + sweep)
+    pviz.plot_sharing([waste.parallel_sampling_memory(reqs), waste.beam_search_memory(reqs)])
+    pviz.plot_prefix_cache([1.0, 1.0], [1.0, 0.3], 0.5)
+
+
+def test_exercise_checks_accept_right_and_reject_wrong(capsys):
+    from llmlab.exercises import nb04
+
+    assert nb04.check_slot(lambda t, p, b: t[p // b] * b + p % b)
+    assert not nb04.check_slot(lambda t, p, b: p)                   # ignores the table
+    assert not nb04.check_slot(lambda t, p, b: None)                # the placeholder
+    assert not nb04.check_slot(lambda t, p, b: 1 / 0)               # must not raise
+    assert nb04.check_wasted_slots(lambda ls, b: sum(-(-n // b) * b - n for n in ls))
+    assert not nb04.check_wasted_slots(lambda ls, b: sum(b - n % b for n in ls))  # full blocks
+    assert nb04.check_cow_blocks(5) and not nb04.check_cow_blocks(9)
+    assert not nb04.check_cow_blocks(...)
+    out = capsys.readouterr().out
+    assert "✅" in out and "❌" in out

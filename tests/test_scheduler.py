@@ -1,0 +1,120 @@
+"""The scheduler alone, with hand-made sequences (no model): seats, budget, policies,
+preemption by recompute."""
+import pytest
+
+from llmlab.cache.block_manager import BlockManager
+from llmlab.engine.scheduler import EMPTY, HELD, Scheduler, SchedulerConfig
+from llmlab.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
+
+
+def make(n_seqs, prompt_len=5, max_tokens=4, start=0, n=1):
+    seqs = []
+    for i in range(start, start + n_seqs):
+        req = Request(i, None, list(range(1, prompt_len + 1)),
+                      SamplingParams(temperature=0 if n == 1 else 1.0, max_tokens=max_tokens, n=n))
+        seq = Sequence(i, req, 0, list(req.prompt_token_ids))
+        req.seqs.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def fake_step(sched, out, finish=()):
+    """What the engine does after a forward: mark fed tokens computed, append a token."""
+    for s in out.scheduled:
+        s.seq.num_computed = s.seq.num_tokens
+        s.seq.output_token_ids.append(7)
+    for s in list(sched.running):
+        if s.request.request_id in finish or len(s.output_token_ids) >= s.request.params.max_tokens:
+            s.status = SequenceStatus.FINISHED_LENGTH
+            sched.finish(s)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="allowed"):
+        SchedulerConfig(policy="fifo")
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        SchedulerConfig(max_num_seqs=0)
+
+
+def test_continuous_fills_free_seats_every_step():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig("continuous", max_num_seqs=2), bm)
+    for s in make(3):
+        sched.add(s)
+    out = sched.schedule()
+    assert out.packed and [s.seq.seq_id for s in out.scheduled] == [0, 1]
+    assert [s.num_new for s in out.scheduled] == [5, 5]
+    fake_step(sched, out, finish={0})                 # request 0 leaves after one token
+    out = sched.schedule()
+    # 1 decodes (1 token) and 2 joins in the same step with its whole prompt, packed
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [(1, 1), (2, 5)]
+    assert out.num_padded_tokens == out.num_tokens == 6
+    assert sched.occupancy(2) == [2, 1]               # request 2 took the freed seat 0
+    bm.check_invariants()
+
+
+def test_token_budget_limits_prefill_but_never_starves_a_long_prompt():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig("continuous", max_num_seqs=8, max_num_batched_tokens=12), bm)
+    for s in make(3, prompt_len=5) + make(1, prompt_len=20, start=3):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1]      # 5 + 5 <= 12 < 15
+    fake_step(sched, out, finish={0, 1})
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [2]         # 5 + 20 > 12
+    fake_step(sched, out, finish={2})
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [(3, 20)]   # alone: allowed
+
+
+def test_static_waits_for_the_whole_batch_and_pads():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig("static", max_num_seqs=2), bm)
+    seqs = make(2, prompt_len=3, max_tokens=1) + make(1, prompt_len=6, max_tokens=3, start=2)
+    sched.add(seqs[2])
+    sched.add(seqs[0])
+    sched.add(seqs[1])
+    out = sched.schedule()
+    assert not out.packed and [s.seq.seq_id for s in out.scheduled] == [2, 0]
+    assert out.num_tokens == 9 and out.num_padded_tokens == 12     # 3 pads for seq 0
+    fake_step(sched, out)                                          # seq 0 done after 1 token
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [2]            # nobody joins
+    assert sched.occupancy(2) == [2, HELD]
+    fake_step(sched, out)
+    out = sched.schedule()
+    fake_step(sched, out)                                          # seq 2 done: batch over
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [1]
+    assert sched.occupancy(2) == [1, EMPTY]
+
+
+def test_preemption_frees_blocks_and_requeues_at_the_front():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)      # 16 token slots in all
+    sched = Scheduler(SchedulerConfig("continuous", max_num_seqs=4), bm)
+    seqs = make(2, prompt_len=8, max_tokens=6) + make(1, prompt_len=2, start=2)
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1]    # 2 blocks each: pool full
+    assert bm.num_free_blocks == 0
+    fake_step(sched, out)
+    out = sched.schedule()                 # both need a 3rd block: the newest (1) is preempted
+    assert [s.seq_id for s in out.preempted] == [1]
+    assert [s.seq.seq_id for s in out.scheduled] == [0]
+    assert [s.seq_id for s in sched.waiting] == [1, 2]        # front of the queue
+    victim = seqs[1]
+    assert victim.num_computed == 0 and victim.output_token_ids == [7]
+    assert not bm.has_seq(1) and sched.num_preemptions == 1
+    bm.check_invariants()
+    fake_step(sched, out)
+    for _ in range(20):                    # drain: the victim is recomputed with its tokens
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        if any(s.seq.seq_id == 1 and s.num_new > 1 for s in out.scheduled):
+            assert [s.num_new for s in out.scheduled if s.seq.seq_id == 1] == [9]
+        fake_step(sched, out)
+    assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in seqs)
+    assert bm.num_free_blocks == 4
