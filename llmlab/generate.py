@@ -57,6 +57,26 @@ def left_pad(batch: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
+def prepare_prompts(tokenizer, prompts, max_new_tokens: int, temperature: float,
+                    top_k: int | None, top_p: float | None, chat: bool):
+    """Check the generation arguments; -> (prompt strings, token ids per prompt).
+
+    ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    check_sampling_args(temperature, top_k, top_p)
+    if all(isinstance(p, (list, tuple)) for p in prompts):
+        encoded = [[int(t) for t in p] for p in prompts]
+        if not all(encoded):
+            raise ValueError("a token-id prompt is empty")
+        return [tokenizer.decode(p) for p in encoded], encoded
+    return prompts, encode_prompts(tokenizer, prompts, chat)
+
+
 @torch.inference_mode()
 def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -73,21 +93,10 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     keeps generating past the end-of-sequence token (all ``max_new_tokens``, for timing).
     """
     single = isinstance(prompts, str)
-    prompts = [prompts] if single else list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
-    check_sampling_args(temperature, top_k, top_p)
+    prompts, encoded = prepare_prompts(tokenizer, prompts, max_new_tokens, temperature, top_k,
+                                       top_p, chat)
     kv_caches.check_name(kv_cache)
     cfg = model.config
-    if all(isinstance(p, (list, tuple)) for p in prompts):
-        encoded = [[int(t) for t in p] for p in prompts]
-        if not all(encoded):
-            raise ValueError("a token-id prompt is empty")
-        prompts = [tokenizer.decode(p) for p in encoded]
-    else:
-        encoded = encode_prompts(tokenizer, prompts, chat)
     ctx = cfg.max_position_embeddings
     for p, ids in zip(prompts, encoded):
         if len(ids) >= ctx:

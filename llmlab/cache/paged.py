@@ -199,24 +199,15 @@ def generate_paged(model, tokenizer, prompts, max_new_tokens: int = 32, block_si
     This is a fixed batch, not a scheduler: when the pool is too small it raises
     :class:`NoFreeBlocksError` (the continuous-batching engine preempts instead).
     """
-    from ..engine.sampler import check_sampling_args, sample
-    from ..generate import Generation, encode_prompts
+    from ..engine.sampler import sample
+    from ..generate import Generation, prepare_prompts
     from ..profiling.metrics import RequestMetrics
 
     single = isinstance(prompts, str)
-    prompts = [prompts] if single else list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {list(PAGED_BACKENDS)}")
-    check_sampling_args(temperature, top_k, top_p)
-    if all(isinstance(p, (list, tuple)) for p in prompts):
-        encoded = [[int(t) for t in p] for p in prompts]
-        prompts = [tokenizer.decode(p) for p in encoded]
-    else:
-        encoded = encode_prompts(tokenizer, prompts, chat)
+    prompts, encoded = prepare_prompts(tokenizer, prompts, max_new_tokens, temperature, top_k,
+                                       top_p, chat)
     cfg = model.config
     for ids in encoded:
         if not ids or len(ids) + max_new_tokens > cfg.max_position_embeddings:
