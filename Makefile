@@ -45,7 +45,7 @@ $(MODEL): $(STAMP)
 	HF_HUB_OFFLINE=0 $(BIN)/python -m llmlab.models fetch smollm2-135m tiny-llama tiny-mixtral
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
