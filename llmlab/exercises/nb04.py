@@ -2,29 +2,22 @@
 from __future__ import annotations
 
 from ..cache.block_manager import BlockManager
-
-
-def _say(ok: bool, good: str, bad: str) -> bool:
-    print(("✅ right: " + good) if ok else ("❌ not yet: " + bad))
-    return ok
+from . import call_cases, say, unanswered
 
 
 def check_slot(fn) -> bool:
     """``fn(block_table, position, block_size)`` -> the flat slot of token ``position``."""
     cases = [([7, 2, 9], 0, 4, 28), ([7, 2, 9], 5, 4, 9), ([7, 2, 9], 11, 4, 39),
              ([3], 15, 16, 63), ([0, 5], 16, 16, 80)]
-    try:
-        got = [fn(table, pos, bs) for table, pos, bs, _ in cases]
-    except Exception as exc:  # the student's code raised
-        return _say(False, "", f"your function raised {type(exc).__name__}: {exc}")
-    if any(g is None for g in got):
-        return _say(False, "", "your function returns None; return an int")
+    got, problem = call_cases(fn, [c[:3] for c in cases], "an int")
+    if problem:
+        return say(False, "", problem)
     bad = [(c, g) for c, g in zip(cases, got) if g != c[3]]
     if bad:
         (table, pos, bs, want), g = bad[0]
-        return _say(False, "", f"block_table={table}, position={pos}, block_size={bs}: got {g}, "
+        return say(False, "", f"block_table={table}, position={pos}, block_size={bs}: got {g}, "
                     f"expected {want}. Hint: the logical block is position // block_size.")
-    return _say(True, "slot = block_table[pos // block_size] * block_size + pos % block_size — "
+    return say(True, "slot = block_table[pos // block_size] * block_size + pos % block_size — "
                 "what BlockManager.slot computes", "")
 
 
@@ -32,18 +25,15 @@ def check_wasted_slots(fn) -> bool:
     """``fn(lengths, block_size)`` -> slots allocated but not holding a token, summed."""
     cases = [([1], 16, 15), ([16, 17], 16, 15), ([5, 9, 33], 8, 3 + 7 + 7), ([100], 1, 0),
              ([], 4, 0)]
-    try:
-        got = [fn(list(lengths), bs) for lengths, bs, _ in cases]
-    except Exception as exc:
-        return _say(False, "", f"your function raised {type(exc).__name__}: {exc}")
-    if any(g is None for g in got):
-        return _say(False, "", "your function returns None; return an int")
+    got, problem = call_cases(fn, [(list(lengths), bs) for lengths, bs, _ in cases], "an int")
+    if problem:
+        return say(False, "", problem)
     bad = [(c, g) for c, g in zip(cases, got) if g != c[2]]
     if bad:
         (lengths, bs, want), g = bad[0]
-        return _say(False, "", f"lengths={lengths}, block_size={bs}: got {g}, expected {want}. "
+        return say(False, "", f"lengths={lengths}, block_size={bs}: got {g}, expected {want}. "
                     "Hint: a sequence of n tokens holds ceil(n / block_size) blocks.")
-    return _say(True, "at most block_size - 1 slots per sequence: the only waste paging leaves", "")
+    return say(True, "at most block_size - 1 slots per sequence: the only waste paging leaves", "")
 
 
 def cow_scenario(block_size: int = 4, prompt_len: int = 10, children: int = 2) -> int:
@@ -61,11 +51,11 @@ def cow_scenario(block_size: int = 4, prompt_len: int = 10, children: int = 2) -
 
 def check_cow_blocks(answer, block_size: int = 4, prompt_len: int = 10, children: int = 2) -> bool:
     """How many physical blocks are in use in :func:`cow_scenario`?"""
-    if answer is None or answer is ...:
-        return _say(False, "", "fill in `answer` with an integer")
+    if unanswered(answer):
+        return say(False, "", "fill in `answer` with an integer")
     want = cow_scenario(block_size, prompt_len, children)
     full = prompt_len // block_size
-    return _say(answer == want,
+    return say(answer == want,
                 f"{want} blocks: the {full} full prompt blocks stay shared; the partly filled "
                 f"last block is copied once per writer except the last one to write",
                 f"got {answer}. Hint: full blocks stay shared; a write into a shared, partly "

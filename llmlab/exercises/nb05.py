@@ -1,22 +1,16 @@
 """Check functions for the exercises of notebook 05 (continuous batching)."""
 from __future__ import annotations
 
-
-def _say(ok: bool, good: str, bad: str) -> bool:
-    print(("✅ right: " + good) if ok else ("❌ not yet: " + bad))
-    return ok
-
-
-def _missing(answer) -> bool:
-    return answer is None or answer is ...
+from ..engine.runner import padding_tokens
+from . import call_cases, say, unanswered
 
 
 def check_padding(answer, prompt_lengths: list[int]) -> bool:
     """Pad tokens when these prompts are left-padded into one [batch, max_len] rectangle."""
-    expected = len(prompt_lengths) * max(prompt_lengths) - sum(prompt_lengths)
-    if _missing(answer):
-        return _say(False, "", "fill in `answer` with an integer number of pad tokens")
-    return _say(answer == expected,
+    expected = padding_tokens(prompt_lengths)
+    if unanswered(answer):
+        return say(False, "", "fill in `answer` with an integer number of pad tokens")
+    return say(answer == expected,
                 f"{expected} pads: the rectangle has {len(prompt_lengths) * max(prompt_lengths)} "
                 f"positions for {sum(prompt_lengths)} real tokens; packing computes none of them",
                 f"got {answer}. Hint: every row is as long as the longest prompt; count the "
@@ -28,15 +22,12 @@ def check_cu_seqlens(fn) -> bool:
     import torch
 
     cases = ([5, 1, 3], [7], [2, 2, 2, 2], [1, 16, 1])
-    try:
-        got = [fn(list(c)) for c in cases]
-    except Exception as exc:  # the student's code raised
-        return _say(False, "", f"your function raised {type(exc).__name__}: {exc}")
-    if any(g is None for g in got):
-        return _say(False, "", "your function returns None; return a list or an int32 tensor")
+    got, problem = call_cases(fn, [(list(c),) for c in cases], "a list or an int32 tensor")
+    if problem:
+        return say(False, "", problem)
     want = [[0] + torch.tensor(c).cumsum(0).tolist() for c in cases]
     norm = [g.tolist() if torch.is_tensor(g) else list(g) for g in got]
-    return _say(norm == want,
+    return say(norm == want,
                 "sequence i owns packed rows cu_seqlens[i]:cu_seqlens[i+1]",
                 f"for lengths {list(cases[0])} expected {want[0]}, got {norm[0]}. Hint: a "
                 "running sum that starts at 0 (torch.cumsum, or itertools.accumulate)")
@@ -52,9 +43,9 @@ def check_static_steps(answer, output_lengths: list[int], batch_size: int) -> bo
     """Decode iterations of static batching, compared with the continuous lower bound."""
     expected = static_decode_steps(output_lengths, batch_size)
     best = -(-sum(output_lengths) // batch_size)
-    if _missing(answer):
-        return _say(False, "", "fill in `answer` with the number of iterations")
-    return _say(answer == expected,
+    if unanswered(answer):
+        return say(False, "", "fill in `answer` with the number of iterations")
+    return say(answer == expected,
                 f"{expected} iterations; with every seat always busy it could be as few as "
                 f"{best} ({expected / best:.1f}× fewer)",
                 f"got {answer}. Hint: batches are taken in order, batch_size at a time, and a "

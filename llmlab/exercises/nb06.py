@@ -4,12 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from . import say
 from ..layers.moe_stats import MIXTRAL_8X7B, expert_capacity
-
-
-def _say(ok: bool, good: str, bad: str) -> bool:
-    print(("✅ right: " + good) if ok else ("❌ not yet: " + bad))
-    return ok
 
 
 def _call(fn, *args):
@@ -35,17 +31,17 @@ def check_active_params(fn) -> bool:
     for c in configs:
         got, err = _call(fn, c)
         if err:
-            return _say(False, "", err)
+            return say(False, "", err)
         want = c.num_parameters(active=True)
         if got is None or not isinstance(got, (int, float)):
-            return _say(False, "", "return a number of parameters (an int)")
+            return say(False, "", "return a number of parameters (an int)")
         if abs(got - want) > 1e-3 * want:
-            return _say(False, "", f"for {c.num_experts} experts, top-{c.num_experts_per_tok}, "
+            return say(False, "", f"for {c.num_experts} experts, top-{c.num_experts_per_tok}, "
                                    f"hidden {c.hidden_size}: got {got:,.0f}, expected {want:,}. Hint: "
                                    "per layer q,k,v,o + k experts × 3·hidden·intermediate + the "
                                    "router (hidden·E) + 2 norms; then embedding(s) and the final norm")
     m = MIXTRAL_8X7B
-    return _say(True, f"Mixtral 8x7B uses {m.num_parameters(active=True) / 1e9:.1f}B of "
+    return say(True, f"Mixtral 8x7B uses {m.num_parameters(active=True) / 1e9:.1f}B of "
                       f"{m.num_parameters() / 1e9:.1f}B parameters per token", "")
 
 
@@ -55,13 +51,13 @@ def check_capacity(fn) -> bool:
     for case in cases:
         got, err = _call(fn, *case)
         if err:
-            return _say(False, "", err)
+            return say(False, "", err)
         want = expert_capacity(*case)
         if got != want:
-            return _say(False, "", f"capacity{case} = {got}, expected {want}. Hint: a perfectly "
+            return say(False, "", f"capacity{case} = {got}, expected {want}. Hint: a perfectly "
                                    "balanced expert gets tokens·top_k/num_experts assignments; the "
                                    "capacity factor scales that, rounded up (math.ceil)")
-    return _say(True, "512 tokens, 8 experts, top-2 at cf 1.25: 160 slots per expert", "")
+    return say(True, "512 tokens, 8 experts, top-2 at cf 1.25: 160 slots per expert", "")
 
 
 def check_group_by_expert(fn) -> bool:
@@ -74,19 +70,19 @@ def check_group_by_expert(fn) -> bool:
     for experts in cases:
         got, err = _call(fn, experts, 6)
         if err:
-            return _say(False, "", err)
+            return say(False, "", err)
         if not isinstance(got, tuple) or len(got) != 2 or not all(torch.is_tensor(t) for t in got):
-            return _say(False, "", "return a tuple of two tensors: (order, offsets)")
+            return say(False, "", "return a tuple of two tensors: (order, offsets)")
         order, offsets = got
         flat = experts.reshape(-1)
         if sorted(order.tolist()) != list(range(flat.numel())):
-            return _say(False, "", "order must be a permutation of 0..tokens·k-1 (the flattened pairs)")
+            return say(False, "", "order must be a permutation of 0..tokens·k-1 (the flattened pairs)")
         sorted_ids = flat[order]
         if not bool((sorted_ids[1:] >= sorted_ids[:-1]).all()):
-            return _say(False, "", "experts.reshape(-1)[order] is not sorted. Hint: torch.argsort")
+            return say(False, "", "experts.reshape(-1)[order] is not sorted. Hint: torch.argsort")
         want = [0] + torch.cumsum(torch.bincount(flat, minlength=6), 0).tolist()
         if offsets.tolist() != want:
-            return _say(False, "", f"offsets {offsets.tolist()} should be {want} (expert e owns "
+            return say(False, "", f"offsets {offsets.tolist()} should be {want} (expert e owns "
                                    "rows offsets[e]:offsets[e+1]; count with torch.bincount(..., "
                                    "minlength=num_experts), then a cumulative sum with a leading 0)")
-    return _say(True, "each expert's rows are now one contiguous slice: one GEMM per expert", "")
+    return say(True, "each expert's rows are now one contiguous slice: one GEMM per expert", "")
