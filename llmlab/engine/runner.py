@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .. import attention as attn_backends
 from ..cache.paged import PAGED_BACKENDS, PagedKVCache
+from ..generate import left_pad
 from .scheduler import SchedulerOutput
 
 DECODE_ATTENTION = ("gather",) + PAGED_BACKENDS
@@ -273,11 +274,8 @@ class ModelRunner:
             last = self.packed.batch.cu_seqlens[1:].long() - 1
             return self._forward_rows(flat[None], positions, self.packed, last)
         positions = self.paged.prepare([s.seq_id for s in seqs], num_new)
-        width = positions.shape[1]
-        input_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
-        for row, toks in enumerate(ids):
-            input_ids[row, width - len(toks):] = torch.tensor(toks, dtype=torch.long)
-        return self.model(input_ids.to(dev), positions=positions, cache=self.paged,
+        input_ids, _ = left_pad(ids, self.pad_token_id, dev)
+        return self.model(input_ids, positions=positions, cache=self.paged,
                           last_only=True)[:, -1]
 
     def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
