@@ -33,26 +33,30 @@ def alone(model, tok, ids, n):
                            ignore_eos=True)[0].token_ids
 
 
-def test_gather_attention_matches_paged_reference():
+@pytest.mark.parametrize("kv_heads", [3, 1, 6])
+def test_gather_attention_matches_paged_reference(kv_heads):
     g = torch.Generator().manual_seed(0)
-    kp, vp = torch.randn(2, 12, 4, 3, 8, generator=g)      # 12 blocks of 4 slots
-    table = torch.tensor([[5, 2, 9, 0], [7, 1, 11, 3]], dtype=torch.int32)
+    kp, vp = torch.randn(2, 12, 4, kv_heads, 8, generator=g)      # 12 blocks of 4 slots
+    table = torch.tensor([[5, 2, 9, 0], [7, 1, 11, 3]])
     lens = torch.tensor([13, 6], dtype=torch.int32)      # not multiples of the block size
     q = torch.randn(2, 1, 6, 8, generator=g)
-    pos = torch.arange(13)
-    slots = table.long()[:, pos // 4] * 4 + pos % 4
     ref = paged_attention_reference(q, kp, vp, lens, table)
-    got = gather_attention(q, kp, vp, slots, lens)
+    got = gather_attention(q, kp, vp, table, lens)
     assert (got - ref).abs().max() < 1e-5
     q3 = torch.randn(1, 3, 6, 8, generator=g)            # 3 new tokens on a cached prefix
     ref3 = paged_attention_reference(q3, kp, vp, lens[:1], table[:1])
-    got3 = gather_attention(q3, kp, vp, slots[:1], lens[:1])
+    got3 = gather_attention(q3, kp, vp, table[:1], lens[:1])
     assert (got3 - ref3).abs().max() < 1e-5
+    # a table cut to the row's own blocks (13 tokens need 4 blocks of 4; 6 need 2)
+    got2 = gather_attention(q[1:], kp, vp, table[1:, :2], lens[1:])
+    assert (got2 - ref[1:]).abs().max() < 1e-5
 
 
-def test_packed_step_matches_padded_step(tiny):
+@pytest.mark.parametrize("decode_group", [8, 1])
+def test_packed_step_matches_padded_step(tiny, decode_group):
     """Fresh prompt + prefix-continued prompt + decodes in one packed row give the same
-    logits as the padded layout of notebook 04's cache."""
+    logits as the padded layout of notebook 04's cache (decodes in one group, and one
+    group each, sorted by length out of pack order)."""
     cfg = tiny.config
     logits = {}
     for layout in ("packed", "padded"):
@@ -77,7 +81,9 @@ def test_packed_step_matches_padded_step(tiny):
         with torch.inference_mode():
             if layout == "packed":
                 packed = PackedPagedAttention(cache)
+                packed.decode_group = decode_group
                 pos = packed.prepare([0, 1, 2], [1, 4, 1])
+                assert len(packed.batch.pool_groups) == 1 + (2 if decode_group == 1 else 1)
                 flat = torch.tensor([t for sid in (0, 1, 2) for t in new[sid]])[None]
                 x = tiny.embed_tokens(flat)
                 for layer in tiny.layers:

@@ -21,14 +21,16 @@ Per layer it attends, for each kind of row:
   prompts take one SDPA call with a block-diagonal causal mask built from cu_seqlens);
 * a prompt continuing a cached prefix, and decode tokens: keys and values read from the
   pool through the block tables (``decode_attention``: ``"gather"`` copies the needed
-  slots with one ``index_select`` and runs SDPA with a length mask; ``"paged"`` and
-  ``"paged_triton"`` are the paged backends of notebook 04).
+  blocks with one ``index_select`` and runs SDPA with a length mask; ``"paged"`` and
+  ``"paged_triton"`` are the paged backends of notebook 04). Decodes are sorted by
+  length and attend in groups of up to eight, so short sequences are not padded to the
+  longest one in the batch.
 
 Taught in notebook 05.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,31 +56,42 @@ def gather_mask(seqlens: torch.Tensor, seq_q: int, length: int) -> torch.Tensor:
 
 
 def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     slots: torch.Tensor, seqlens: torch.Tensor,
+                     block_table: torch.Tensor, seqlens: torch.Tensor,
                      softmax_scale: float | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of new queries over keys read from a paged pool by flat slot index.
+    """Attention of new queries over keys copied out of a paged pool, whole blocks at a time.
 
     q [batch, seq_q, heads, head_dim]; k_pool, v_pool [num_blocks, block_size, kv_heads,
-    head_dim]; slots [batch, max_len] long: flat slot of each key position (any valid
-    slot past a row's length, it is masked); seqlens [batch]: keys per row, the new
-    tokens included (the new tokens are the last ``seq_q`` positions, causal
-    bottom-right). -> [batch, seq_q, heads, head_dim]. Grouped-query heads are not
-    expanded (SDPA's ``enable_gqa``). ``mask`` (from :func:`gather_mask`) may be passed
-    in when many layers share it.
+    head_dim]; block_table [batch, n] long: the blocks of each row, cut to the longest row
+    (entries past a row's length may be any valid block, they are masked); seqlens
+    [batch]: keys per row, the new tokens included (the new tokens are the last
+    ``seq_q`` positions, causal bottom-right). -> [batch, seq_q, heads, head_dim].
+
+    One ``index_select`` per pool copies ``n · block_size`` keys per row (contiguous
+    blocks, not slot by slot); then one SDPA call. Grouped-query heads are never
+    expanded: the ``heads / kv_heads`` query heads that share a KV head are laid out as
+    extra query rows of that head, so each key is read once per KV head. ``mask`` (from
+    :func:`gather_mask` at length ``n · block_size``) may be passed in when many layers
+    share it (bool, or additive 0 / -inf in q's dtype).
     """
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[2]
-    flat = slots.reshape(-1)
-    k = k_pool.view(-1, kv_heads, head_dim).index_select(0, flat)
-    v = v_pool.view(-1, kv_heads, head_dim).index_select(0, flat)
-    k = k.view(batch, -1, kv_heads, head_dim).transpose(1, 2)     # [b, kv, L, d]
-    v = v.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = heads // kv_heads
+    length = block_table.shape[1] * block_size
+    flat = block_table.reshape(-1)
+    k = k_pool.index_select(0, flat).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = v_pool.index_select(0, flat).view(batch, length, kv_heads, head_dim).transpose(1, 2)
     if mask is None:
-        mask = gather_mask(seqlens.to(q.device), seq_q, slots.shape[1])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                         scale=softmax_scale, enable_gqa=heads != kv_heads)
-    return out.transpose(1, 2)
+        mask = gather_mask(seqlens.to(q.device), seq_q, length)
+    # [b, sq, kv, g, d] -> [b, kv, g * sq, d]: row r of KV head h is query head h·g + r // sq
+    qg = q.view(batch, seq_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, kv_heads, group * seq_q, head_dim)
+    if seq_q > 1 and group > 1:            # one mask row per (head in group, query)
+        mask = mask[:, :, None].expand(batch, 1, group, seq_q, length)
+        mask = mask.reshape(batch, 1, group * seq_q, length)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=softmax_scale)
+    out = out.view(batch, kv_heads, group, seq_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, seq_q, heads, head_dim)
 
 
 def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,6 +116,17 @@ def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @dataclass
+class PoolGroup:
+    """Sequences whose new tokens attend over the pool together (one gather + one SDPA)."""
+
+    rows: torch.Tensor              # long [n * seq_q]: their new tokens' rows in the pack
+    seq_q: int                      # new tokens per sequence (1 for decodes)
+    block_table: torch.Tensor       # long [n, blocks]: cut to the group's longest sequence
+    seqlens: torch.Tensor           # int32 [n]: cached + new tokens
+    mask: torch.Tensor | None       # [n, 1, seq_q, blocks · block_size], 0 / -inf, for "gather"
+
+
+@dataclass
 class PackedBatch:
     """Metadata of one packed step (all tensors on the cache's device)."""
 
@@ -110,14 +134,12 @@ class PackedBatch:
     num_new: list[int]              # new tokens per sequence
     seqlens: torch.Tensor           # int32 [batch]: cached + new tokens per sequence
     slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
-    block_table: torch.Tensor       # int32 [batch, max_blocks]
     fresh: list[int]                # sequences with no cached prefix (prompt from scratch)
     continued: list[int]            # prompts on top of a cached prefix
     decode: list[int]               # one new token on top of the cache
-    decode_slots: torch.Tensor | None      # long [len(decode), max_len] for "gather"
-    decode_rows: torch.Tensor | None       # long [len(decode)]: their rows in the pack
-    decode_mask: torch.Tensor | None       # bool [len(decode), 1, 1, max_len]
-    continued_slots: list[torch.Tensor]    # long [1, seqlen] each
+    pool_groups: list[PoolGroup]    # continued prompts and decodes, grouped for the pool
+    tables: list[list[int]]         # block table of each sequence
+    fresh_groups: dict = field(default_factory=dict)   # fresh prompts read back (paged backends)
 
 
 class PackedPagedAttention:
@@ -125,6 +147,10 @@ class PackedPagedAttention:
 
     ``prepare(seq_ids, num_new)`` before the forward returns positions [1, total];
     every attention layer then calls ``attend``.
+
+    Decodes are sorted by length and cut into groups of at most ``decode_group``
+    sequences, each padded only to its own longest: a 40-token and a 900-token sequence
+    in one rectangle would copy and attend 860 masked keys for the short one.
     """
 
     def __init__(self, paged: PagedKVCache, decode_attention: str = "gather"):
@@ -137,11 +163,22 @@ class PackedPagedAttention:
         # up to this many fresh prompt tokens go through one block-diagonal SDPA call
         # (one call instead of one per prompt); longer packs loop over the prompts
         self.pack_limit = 1024
+        self.decode_group = 8
 
-    def _slots(self, table: list[int], length: int, width: int) -> list[int]:
-        bs = self.paged.block_size
-        return [table[p // bs] * bs + p % bs if p < length else table[0] * bs
-                for p in range(width)]
+    def _group(self, members: list[int], tables: list[list[int]], lens: list[int],
+               cu: list[int], seq_q: int, dev) -> PoolGroup:
+        width = -(-max(lens[i] for i in members) // self.paged.block_size)
+        table = torch.tensor([tables[i][:width] + [tables[i][0]] * (width - len(tables[i]))
+                              for i in members], dtype=torch.long)
+        seqlens = torch.tensor([lens[i] for i in members], dtype=torch.int32)
+        rows = torch.tensor([r for i in members for r in range(cu[i + 1] - seq_q, cu[i + 1])],
+                            dtype=torch.long)
+        mask = None
+        if self.decode_attention == "gather":       # additive: SDPA converts a bool one per call
+            allowed = gather_mask(seqlens, seq_q, width * self.paged.block_size)
+            mask = torch.zeros(allowed.shape, dtype=self.paged.k[0].dtype)
+            mask = mask.masked_fill_(~allowed, float("-inf")).to(dev)
+        return PoolGroup(rows.to(dev), seq_q, table.to(dev), seqlens.to(dev), mask)
 
     def prepare(self, seq_ids: list, num_new: list[int]) -> torch.Tensor:
         bm = self.paged.manager
@@ -161,39 +198,26 @@ class PackedPagedAttention:
         cu = [0]
         for n in num_new:
             cu.append(cu[-1] + n)
-        width = max(len(t) for t in tables)
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for row, t in enumerate(tables):
-            table[row, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        decode_slots = decode_rows = decode_mask = None
-        if decode:
-            longest = max(lens[i] for i in decode)
-            decode_slots = torch.tensor([self._slots(tables[i], lens[i], longest) for i in decode],
-                                        dtype=torch.long, device=dev)
-            decode_rows = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=dev)
-            decode_mask = gather_mask(torch.tensor([lens[i] for i in decode], device=dev), 1,
-                                      longest)
+        by_length = sorted(decode, key=lambda i: lens[i])
+        groups = [self._group(by_length[j:j + self.decode_group], tables, lens, cu, 1, dev)
+                  for j in range(0, len(by_length), self.decode_group)]
+        groups += [self._group([i], tables, lens, cu, num_new[i], dev) for i in continued]
         self.batch = PackedBatch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), num_new=list(num_new),
             seqlens=torch.tensor(lens, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
-            block_table=table.to(dev), fresh=fresh, continued=continued, decode=decode,
-            decode_slots=decode_slots, decode_rows=decode_rows, decode_mask=decode_mask,
-            continued_slots=[torch.tensor([self._slots(tables[i], lens[i], lens[i])],
-                                          dtype=torch.long, device=dev) for i in continued])
+            fresh=fresh, continued=continued, decode=decode, pool_groups=groups,
+            tables=tables)
         return torch.tensor(positions, dtype=torch.long, device=dev)[None]
 
-    def _pool_attention(self, layer_idx: int, q: torch.Tensor, rows: list[int],
-                        slots: torch.Tensor | None, mask: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-        """Attention for sequences ``rows`` (equal new-token counts) over the pool."""
-        b = self.batch
+    def _pool_attention(self, layer_idx: int, q: torch.Tensor, group: PoolGroup) -> torch.Tensor:
+        """q [n, seq_q, heads, head_dim] of the group's sequences, over the pool."""
         k_pool, v_pool = self.paged.k[layer_idx], self.paged.v[layer_idx]
-        idx = torch.tensor(rows, device=q.device)
         if self.decode_attention == "gather":
-            return gather_attention(q, k_pool, v_pool, slots, b.seqlens[idx], mask=mask)
+            return gather_attention(q, k_pool, v_pool, group.block_table, group.seqlens,
+                                    mask=group.mask)
         fn = attn_backends.get(self.decode_attention).with_kvcache
-        return fn(q, k_pool, v_pool, b.seqlens[idx], b.block_table[idx], causal=True)
+        return fn(q, k_pool, v_pool, group.seqlens, group.block_table, causal=True)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend) -> torch.Tensor:
@@ -205,24 +229,25 @@ class PackedPagedAttention:
             raise ValueError(f"packed q must be [1, {b.slot_mapping.numel()}, heads, head_dim]; "
                              f"got {tuple(q.shape)}")
         q, k, v = q[0], k[0], v[0]
-        self.paged.write(layer_idx, k, v, b.slot_mapping)
+        kv_shape = (-1,) + k.shape[1:]
+        # every packed token has a slot (no pads): write without a keep-mask
+        self.paged.k[layer_idx].view(kv_shape).index_copy_(0, b.slot_mapping, k)
+        self.paged.v[layer_idx].view(kv_shape).index_copy_(0, b.slot_mapping, v)
         out = torch.empty_like(q)
-        cu = b.cu_seqlens.tolist() if len(b.fresh) + len(b.continued) else None
-        self._fresh_attention(layer_idx, q, k, v, backend, cu, out)
-        for j, i in enumerate(b.continued):
-            s, e = cu[i], cu[i + 1]
-            out[s:e] = self._pool_attention(layer_idx, q[None, s:e], [i], b.continued_slots[j])[0]
-        if b.decode:
-            rows = b.decode_rows
-            out[rows] = self._pool_attention(layer_idx, q[rows][:, None], b.decode,
-                                             b.decode_slots, b.decode_mask)[:, 0]
+        self._fresh_attention(layer_idx, q, k, v, backend, out)
+        heads, head_dim = q.shape[1:]
+        for g in b.pool_groups:
+            qg = q.index_select(0, g.rows).view(-1, g.seq_q, heads, head_dim)
+            out.index_copy_(0, g.rows, self._pool_attention(layer_idx, qg, g)
+                            .reshape(-1, heads, head_dim))
         return out[None]
 
-    def _fresh_attention(self, layer_idx, q, k, v, backend, cu, out) -> None:
+    def _fresh_attention(self, layer_idx, q, k, v, backend, out) -> None:
         """Prompts from scratch: their K/V are the new ones, no need to read the pool."""
         b = self.batch
         if not b.fresh:
             return
+        cu = b.cu_seqlens.tolist()
         name = getattr(backend, "name", None)
         total = sum(cu[i + 1] - cu[i] for i in b.fresh)
         if name in ("naive", "sdpa") and len(b.fresh) > 1 and total <= self.pack_limit:
@@ -234,15 +259,12 @@ class PackedPagedAttention:
         for i in b.fresh:
             s, e = cu[i], cu[i + 1]
             if name in PAGED_BACKENDS:
-                out[s:e] = self._pool_attention(layer_idx, q[None, s:e], [i],
-                                                self._fresh_slots(i))[0]
+                if i not in b.fresh_groups:
+                    b.fresh_groups[i] = self._group([i], b.tables, b.seqlens.tolist(), cu,
+                                                    e - s, q.device)
+                out[s:e] = self._pool_attention(layer_idx, q[None, s:e], b.fresh_groups[i])[0]
             else:
                 out[s:e] = backend.forward(q[None, s:e], k[None, s:e], v[None, s:e], causal=True)[0]
-
-    def _fresh_slots(self, i: int) -> torch.Tensor:
-        b = self.batch
-        s, e = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
-        return b.slot_mapping[s:e][None]
 
 
 class ModelRunner:
@@ -298,6 +320,6 @@ def padding_tokens(lengths: list[int]) -> int:
     return len(lengths) * max(lengths, default=0) - sum(lengths)
 
 
-__all__ = ["ModelRunner", "PackedPagedAttention", "PackedBatch", "gather_attention", "gather_mask",
+__all__ = ["ModelRunner", "PackedPagedAttention", "PackedBatch", "PoolGroup", "gather_attention", "gather_mask",
            "block_diagonal_attention",
            "padding_tokens", "DECODE_ATTENTION"]
