@@ -85,6 +85,24 @@ def test_prefix_cache_hits_full_blocks_and_recomputes_last_token():
     bm.check_invariants()
 
 
+def test_deferred_caching_indexes_only_computed_blocks():
+    """A prompt prefilled in chunks: its blocks serve as a prefix only once written."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 114))               # 3 full blocks + 2 tokens
+    assert bm.allocate("a", prompt, defer_caching=True) == 0
+    assert bm.allocate("b", prompt, defer_caching=True) == 0   # nothing computed yet
+    bm.free("b")                                 # never computed: nothing stays cached
+    assert bm.allocator.num_cached == 0
+    bm.mark_computed("a", 9)                     # first chunk written: 2 full blocks
+    assert bm.allocate("c", prompt) == 8
+    assert bm.block_table("c")[:2] == bm.block_table("a")[:2]
+    bm.mark_computed("a", 14)
+    assert bm.allocate("d", prompt) == 12
+    with pytest.raises(ValueError, match="num_tokens=15"):
+        bm.mark_computed("a", 15)
+    bm.check_invariants()
+
+
 def test_prefix_cache_survives_free_and_evicts_lru():
     bm = BlockManager(num_blocks=4, block_size=2)
     bm.allocate("a", [1, 2, 3, 4, 5])            # blocks for [1,2] [3,4] [5]

@@ -136,6 +136,57 @@ def test_tiny_block_budget_preempts_and_completes_everything(tiny, tiny_tok):
     assert tight.engine.cache.manager.num_used_blocks == 0
 
 
+def test_chunked_prefill_caps_every_step_and_changes_no_token(tiny, tiny_tok):
+    ids = prompts_of([30, 5, 17, 23, 2, 11], seed=3)
+    lens = [6, 4, 5, 3, 7, 2]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    steps = {}
+    for chunked in (False, True):
+        llm = LLM(tiny, tiny_tok, max_num_seqs=4, block_size=4, num_blocks=128,
+                  max_num_batched_tokens=8, enable_chunked_prefill=chunked)
+        outs = llm.generate(ids, params, use_tqdm=False)
+        for p, n, o in zip(ids, lens, outs):
+            assert o.outputs[0].token_ids == alone(tiny, tiny_tok, p, n)
+            assert o.metrics.ttft_s > 0
+        steps[chunked] = llm.stats.steps
+        assert llm.engine.cache.manager.num_used_blocks == 0
+    # without chunking the 30-token prompt runs alone in one 30-token step
+    assert max(r.prefill_tokens + r.decode_tokens for r in steps[False]) == 30
+    assert max(r.prefill_tokens + r.decode_tokens for r in steps[True]) <= 8
+    assert sum(r.prefill_tokens for r in steps[True]) == sum(len(p) for p in ids)
+    assert any(r.prefill_tokens and r.decode_tokens for r in steps[True])   # mixed steps
+
+
+def test_chunked_prefill_with_a_shared_prefix(tiny, tiny_tok):
+    prefix = prompts_of([20], seed=5)[0]
+    ids = [prefix + tail for tail in prompts_of([3, 6, 1], seed=6)]
+    llm = LLM(tiny, tiny_tok, max_num_seqs=3, block_size=4, num_blocks=64,
+              max_num_batched_tokens=6, enable_chunked_prefill=True)
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(ids, outs):
+        assert o.outputs[0].token_ids == alone(tiny, tiny_tok, p, 5)
+    assert llm.engine.cache.manager.stats.hits > 0     # later prompts reused the prefix
+    llm.engine.cache.manager.check_invariants()
+
+
+def test_chunked_prefill_under_a_tiny_block_budget(tiny, tiny_tok):
+    ids = prompts_of([6, 9, 5, 11, 7, 8], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [alone(tiny, tiny_tok, p, 12) for p in ids]
+    tight = LLM(tiny, tiny_tok, max_num_seqs=6, block_size=4, num_blocks=8,
+                max_num_batched_tokens=5, enable_chunked_prefill=True)
+    outs = tight.generate(ids, params, use_tqdm=False)
+    assert tight.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert tight.engine.cache.manager.num_used_blocks == 0
+
+
+def test_chunked_prefill_needs_the_continuous_scheduler(tiny, tiny_tok):
+    with pytest.raises(ValueError, match="enable_chunked_prefill needs scheduler='continuous'"):
+        LLM(tiny, tiny_tok, scheduler="static", enable_chunked_prefill=True)
+
+
 def test_impossible_requests_are_rejected_alone(tiny, tiny_tok):
     llm = LLM(tiny, tiny_tok, max_num_seqs=4, block_size=4, num_blocks=16, max_model_len=40)
     ok = prompts_of([5, 6])

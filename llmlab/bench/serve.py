@@ -1,11 +1,13 @@
-"""python -m llmlab.bench serve: a request trace served three ways, in one run.
+"""python -m llmlab.bench serve: a request trace served four ways, in one run.
 
 1. HF transformers ``generate`` in padded static batches of ``max_num_seqs`` requests
    (left padding; each batch runs ``max_new_tokens`` = its longest requested output,
    which is what a padded static batch costs);
 2. llmlab's engine with ``scheduler="static"`` (same batches, paged KV cache);
 3. llmlab's engine with ``scheduler="continuous"`` (iteration-level scheduling, packed
-   prefill, preemption by recompute).
+   prefill, preemption by recompute);
+4. the same with chunked prefill at a small token budget per step (``--chunk-budget``):
+   the same work cut so that no step is long, which is what TPOT feels.
 
 Every request of the trace (``data/traces/cpu.jsonl`` by default) arrives at time 0 and
 generates exactly its ``output_tokens`` (greedy, EOS ignored, as serving benchmarks do),
@@ -29,6 +31,7 @@ from ..profiling.metrics import RequestMetrics, summarize
 from ._common import header, save, table
 
 HF_NAME = "HF transformers, padded static"
+CONT = "llmlab continuous"
 
 
 def load_trace(path: str | Path, limit: int | None = None, max_output: int | None = None,
@@ -141,7 +144,10 @@ def main(argv: list[str]) -> int:
                     help="multiply every output length (keeps their spread)")
     ap.add_argument("--check", type=int, default=4, help="requests re-generated alone")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--skip-hf", action="store_true", help="only the two llmlab schedulers")
+    ap.add_argument("--skip-hf", action="store_true", help="only the llmlab schedulers")
+    ap.add_argument("--chunk-budget", type=int, default=128,
+                    help="also run continuous with chunked prefill at this many tokens per "
+                         "step (0: skip)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="serve the trace this many times per system, in rotating order; "
                          "report the median round (ratios are per round, so machine-load "
@@ -164,6 +170,8 @@ def main(argv: list[str]) -> int:
     if args.requests < 0 or args.output_scale <= 0:
         raise ValueError(f"--requests={args.requests} must be >= 0 (0: all) and "
                          f"--output-scale={args.output_scale} > 0")
+    if args.chunk_budget < 0:
+        raise ValueError(f"--chunk-budget={args.chunk_budget} must be >= 0 (0: skip)")
     for name in ("max_num_seqs", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -188,13 +196,17 @@ def main(argv: list[str]) -> int:
 
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir(args.model)),
                                                   dtype=torch.float32).to(device).eval()
-    systems = ([HF_NAME] if hf is not None else []) + ["llmlab static", "llmlab continuous"]
+    chunked = f"llmlab continuous, chunked prefill ({args.chunk_budget} tokens/step)"
+    systems = ([HF_NAME] if hf is not None else []) + ["llmlab static", CONT] \
+        + ([chunked] if args.chunk_budget else [])
 
     def serve(name: str, requests: list[dict]) -> dict:
         if name == HF_NAME:
             return run_hf(hf, tok, requests, args.max_num_seqs)
-        llm = LLM(model, tok, scheduler=name.split()[-1], max_num_seqs=args.max_num_seqs,
-                  block_size=args.block_size)
+        kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk_budget} \
+            if name == chunked else {}
+        llm = LLM(model, tok, scheduler="static" if name == "llmlab static" else "continuous",
+                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, **kw)
         return run_llmlab(llm, requests)
 
     warm = [dict(r, output_tokens=min(4, r["output_tokens"])) for r in trace[:args.max_num_seqs]]
@@ -208,9 +220,9 @@ def main(argv: list[str]) -> int:
     round_ratios: dict[str, list[float]] = {}
     if args.rounds > 1:
         print(f"   {args.rounds} rounds; per round, llmlab continuous tokens/s over:")
-        for name in systems[:-1]:
+        for name in (n for n in systems if n != CONT):
             ratios = [o["wall_s"] / c["wall_s"]          # same tokens: a ratio of tokens/s
-                      for c, o in zip(runs["llmlab continuous"], runs[name])]
+                      for c, o in zip(runs[CONT], runs[name])]
             round_ratios[name] = ratios
             print(f"     {name}: " + ", ".join(f"{x:.2f}×" for x in ratios)
                   + f"  (median {statistics.median(ratios):.2f}×)")
@@ -219,33 +231,37 @@ def main(argv: list[str]) -> int:
                for name, rs in runs.items()}
     rows = [_row(k, v) for k, v in results.items()]
     table(rows)
-    cont = results["llmlab continuous"]
+    cont = results[CONT]
     tps = {r["system"]: r["tok/s"] for r in rows}
     print()
     for name, v in tps.items():
-        if name != "llmlab continuous":
-            print(f"   llmlab continuous / {name}: {tps['llmlab continuous'] / v:.2f}× tokens/s")
-    for policy in ("static", "continuous"):
-        st = results[f"llmlab {policy}"]["stats"]
-        print(f"   llmlab {policy}: {len(st.steps)} steps, {st.computed_tokens} token positions "
-              f"computed for {st.real_tokens} real ({st.padding_tokens} pads), "
+        if name != CONT:
+            print(f"   {CONT} / {name}: {tps[CONT] / v:.2f}× tokens/s")
+    for name in systems[systems.index("llmlab static"):]:
+        st = results[name]["stats"]
+        longest = max(r.end_s - r.start_s for r in st.steps)
+        print(f"   {name}: {len(st.steps)} steps (longest {longest:.2f} s), {st.computed_tokens} "
+              f"token positions computed for {st.real_tokens} real ({st.padding_tokens} pads), "
               f"{st.num_preemptions} preemptions")
 
     # correctness: a sample of requests generated alone must match token for token
     k = max(0, min(args.check, len(trace)))
     picks = sorted({round(i * (len(trace) - 1) / max(k - 1, 1)) for i in range(k)}) if k else []
-    same = {"static": 0, "continuous": 0, "HF": 0}
+    same = {"static": 0, "continuous": 0, "chunked": 0, "HF": 0}
     for i in picks:
         r = trace[i]
         ref = llmlab.generate(model, tok, [r["prompt_token_ids"]], max_new_tokens=r["output_tokens"],
                               kv_cache="contiguous", ignore_eos=True)[0].token_ids
         same["static"] += results["llmlab static"]["tokens"][i] == ref
         same["continuous"] += cont["tokens"][i] == ref
+        if chunked in results:
+            same["chunked"] += results[chunked]["tokens"][i] == ref
         if HF_NAME in results:
             same["HF"] += results[HF_NAME]["tokens"][i] == ref
     if picks:
         print(f"   greedy tokens equal to generating alone (requests {picks}): "
               f"continuous {same['continuous']}/{len(picks)}, static {same['static']}/{len(picks)}"
+              + (f", chunked {same['chunked']}/{len(picks)}" if args.chunk_budget else "")
               + (f", HF batched {same['HF']}/{len(picks)}" if not args.skip_hf else ""))
     save("serve", {"trace": Path(args.trace).name, "requests": len(trace),
                    "max_num_seqs": args.max_num_seqs, "threads": torch.get_num_threads(),

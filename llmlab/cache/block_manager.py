@@ -272,11 +272,15 @@ class BlockManager:
     def can_allocate(self, prompt_tokens: Sequence[int]) -> bool:
         return self.num_blocks_to_allocate(prompt_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int]) -> int:
+    def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int],
+                 defer_caching: bool = False) -> int:
         """Reserve slots for a prompt; returns how many leading tokens are already cached.
 
         The caller computes K/V only for ``prompt_tokens[cached:]`` (at least the last
         token). Raises NoFreeBlocksError (changing nothing) when the pool is too small.
+        The prompt's full blocks are indexed for prefix caching at once (their K/V are
+        written in the same step); with ``defer_caching`` (a prompt prefilled in chunks
+        over several steps) only as :meth:`mark_computed` reports them written.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free it first")
@@ -294,18 +298,28 @@ class BlockManager:
             blocks.append(self.allocator.allocate())
         st = _SeqState(blocks=blocks, num_tokens=len(tokens), tokens=tokens, hashes=hashes)
         self._seqs[seq_id] = st
-        self._register_full_blocks(st)
+        if not defer_caching:
+            self._register_full_blocks(st)
         cached = len(hits) * self.block_size
         self.stats.queries += len(tokens)
         self.stats.hits += cached
         return cached
 
-    def _register_full_blocks(self, st: _SeqState) -> None:
-        """Index every full block not yet hashed (its K/V are written in the same step)."""
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The K/V of the first ``num_tokens`` tokens are written: index their full blocks."""
+        st = self._state(seq_id)
+        if not 0 <= num_tokens <= st.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} for sequence {seq_id!r} of "
+                             f"{st.num_tokens} tokens; allowed: 0..{st.num_tokens}")
+        self._register_full_blocks(st, num_tokens)
+
+    def _register_full_blocks(self, st: _SeqState, upto: int | None = None) -> None:
+        """Index every full block (of the first ``upto`` tokens) not yet hashed."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        while len(st.hashes) < st.num_tokens // bs:
+        upto = st.num_tokens if upto is None else upto
+        while len(st.hashes) < upto // bs:
             i = len(st.hashes)
             chunk = st.tokens[i * bs:(i + 1) * bs]
             if any(t is None for t in chunk):

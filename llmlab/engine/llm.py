@@ -87,8 +87,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer, *, scheduler: str = "continuous", block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, decode_attention: str | None = None,
-                 seed: int = 0):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
+                 decode_attention: str | None = None, seed: int = 0):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
@@ -96,7 +96,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len!r} must be an int in 1..{ctx} "
                              "(the model's context)")
         self.config = SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
-                                      max_model_len)
+                                      max_model_len, enable_chunked_prefill)
         if decode_attention is None:
             decode_attention = "paged_triton" if model.device.type == "cuda" else "gather"
         if decode_attention not in DECODE_ATTENTION:
@@ -120,6 +120,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._t0 = time.perf_counter()
         self.stats = EngineStats()
+        self.idle = True               # the last step found nothing to run
 
     # -- clock and requests ---------------------------------------------------------------
     def now(self) -> float:
@@ -175,17 +176,24 @@ class LLMEngine:
     def step(self) -> list[tuple[Sequence, int]]:
         """Schedule, run and sample once; returns the (sequence, token) pairs produced.
 
-        Returns [] when nothing could run (e.g. the next request has not arrived yet).
+        Returns [] when nothing could run (e.g. the next request has not arrived yet), or
+        when the step only fed chunks of prompts (``idle`` tells the two apart).
         """
         start = self.now()
         work = self.scheduler.schedule(start)
+        self.idle = work.is_empty
         if work.is_empty:
             return []
         seats = self.scheduler.occupancy(self.config.max_num_seqs)
         logits = self.runner.execute(work)
-        scheduled = [s.seq for s in work.scheduled]
-        for seq in scheduled:
-            seq.num_computed = seq.num_tokens
+        for s in work.scheduled:
+            s.seq.num_computed += s.num_new
+            if s.prefill:                  # its prompt blocks may now serve as a prefix
+                self.cache.manager.mark_computed(s.seq.seq_id, s.seq.num_computed)
+        # a prompt chunk that is not the last one produces no token yet
+        rows = [r for r, s in enumerate(work.scheduled) if s.seq.num_computed == s.seq.num_tokens]
+        scheduled = [work.scheduled[r].seq for r in rows]
+        logits = logits[rows] if len(rows) < len(work.scheduled) else logits
         params = [s.request.params for s in scheduled]
         tokens = sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
                              [p.top_p for p in params], [s.generator for s in scheduled])
@@ -249,8 +257,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _record(self, work: SchedulerOutput, start: float, seats: list[int]) -> None:
-        prefill = sum(s.num_new for s in work.scheduled if s.num_new > 1)
-        decode = sum(1 for s in work.scheduled if s.num_new == 1)
+        prefill = sum(s.num_new for s in work.scheduled if s.prefill)
+        decode = sum(1 for s in work.scheduled if not s.prefill)
         self.stats.num_preemptions += len(work.preempted)
         self.stats.steps.append(StepRecord(
             step=len(self.stats.steps), start_s=start, end_s=self.now(),
@@ -274,6 +282,8 @@ class LLMEngine:
 
     def _wait_for_arrival(self, start: float) -> None:
         """Nothing could run at ``start``: sleep until the next request arrives."""
+        if not self.idle:              # the step ran (prompt chunks only): go on
+            return
         nxt = self.scheduler.next_arrival()
         if nxt is None or nxt <= start:
             raise RuntimeError("the scheduler made no progress; this is a bug "
@@ -315,15 +325,18 @@ class LLM:
     ``kv_cache``: ``"paged"`` (the engine's only cache). ``num_blocks``: KV blocks of
     ``block_size`` tokens in the pool (default: what 512 MiB holds, at most enough for
     ``max_num_seqs`` full-context sequences). ``attention``: the dense backend used when
-    loading by name (prompts from scratch use it).
+    loading by name (prompts from scratch use it). ``enable_chunked_prefill``: prompts
+    are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
+    :mod:`llmlab.engine.scheduler`).
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
                  scheduler: str = "continuous", block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, attention: str = "sdpa",
-                 decode_attention: str | None = None, device=None, seed: int = 0):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
+                 attention: str = "sdpa", decode_attention: str | None = None, device=None,
+                 seed: int = 0):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -347,6 +360,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len,
                                 enable_prefix_caching=enable_prefix_caching,
+                                enable_chunked_prefill=enable_chunked_prefill,
                                 decode_attention=decode_attention, seed=seed)
 
     # -- inputs ------------------------------------------------------------------------------

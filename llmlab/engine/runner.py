@@ -180,21 +180,29 @@ class PackedPagedAttention:
             mask = mask.masked_fill_(~allowed, float("-inf")).to(dev)
         return PoolGroup(rows.to(dev), seq_q, table.to(dev), seqlens.to(dev), mask)
 
-    def prepare(self, seq_ids: list, num_new: list[int]) -> torch.Tensor:
+    def prepare(self, seq_ids: list, num_new: list[int],
+                num_computed: list[int] | None = None) -> torch.Tensor:
+        """Set up one packed step; returns positions [1, total].
+
+        Sequence i feeds ``num_new[i]`` tokens starting at position ``num_computed[i]``
+        (default: its last ``num_new[i]`` reserved slots; a chunk of a longer prompt
+        passes where the chunk starts).
+        """
         bm = self.paged.manager
         dev = self.paged.k[0].device
         tables, lens, slot_map, positions = [], [], [], []
         fresh, continued, decode = [], [], []
         for i, (sid, n) in enumerate(zip(seq_ids, num_new)):
             total = bm.num_tokens(sid)
-            if not 1 <= n <= total:
-                raise ValueError(f"num_new={n} for sequence {sid!r} of {total} reserved tokens; "
-                                 "allowed: 1..reserved")
+            start = total - n if num_computed is None else num_computed[i]
+            if not (n >= 1 and 0 <= start and start + n <= total):
+                raise ValueError(f"num_new={n} from position {start} for sequence {sid!r} of "
+                                 f"{total} reserved tokens; allowed: n >= 1 within 0..{total}")
             tables.append(bm.block_table(sid))
-            lens.append(total)
-            slot_map += bm.slot_mapping(sid, total - n, total)
-            positions += range(total - n, total)
-            (fresh if n == total and n > 1 else decode if n == 1 else continued).append(i)
+            lens.append(start + n)
+            slot_map += bm.slot_mapping(sid, start, start + n)
+            positions += range(start, start + n)
+            (fresh if start == 0 and n > 1 else decode if n == 1 else continued).append(i)
         cu = [0]
         for n in num_new:
             cu.append(cu[-1] + n)
@@ -286,12 +294,14 @@ class ModelRunner:
         self.paged.copy_blocks(step.block_copies)
         seqs = [s.seq for s in step.scheduled]
         num_new = [s.num_new for s in step.scheduled]
-        ids = [s.seq.all_token_ids[-s.num_new:] for s in step.scheduled]
+        starts = [s.num_computed for s in seqs]
+        ids = [s.seq.all_token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new]
+               for s in step.scheduled]
         dev = self.model.device
         # a step of single-token decodes has nothing to pad: both layouts are the same,
         # so it takes the packed path (one attention implementation for both policies)
         if step.packed or all(n == 1 for n in num_new):
-            positions = self.packed.prepare([s.seq_id for s in seqs], num_new)
+            positions = self.packed.prepare([s.seq_id for s in seqs], num_new, starts)
             flat = torch.tensor([t for row in ids for t in row], dtype=torch.long, device=dev)
             last = self.packed.batch.cu_seqlens[1:].long() - 1
             return self._forward_rows(flat[None], positions, self.packed, last)

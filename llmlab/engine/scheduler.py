@@ -19,6 +19,13 @@ Two policies, chosen by name (``SchedulerConfig.policy``):
   is *preempted by recompute*: its blocks are freed and it goes back to the front of
   the waiting queue with all its tokens, to be prefilled again later. Nothing is lost.
 
+  With ``enable_chunked_prefill`` the token budget is a hard cap: decodes go first
+  (one token each), then prompts that are part-way through continue, then new ones
+  join, each prompt fed in chunks of whatever budget is left (Sarathi-Serve's chunked
+  prefill, on by default in vLLM V1). A 2,000-token prompt no longer stalls every
+  decoding sequence for a whole long step: it is spread over several steps, each of
+  which also advances the decodes. Its first token comes after its last chunk.
+
 The scheduler owns the block manager calls (``allocate``, ``append_slot``, ``free``),
 so the runner only executes what it is given. Taught in notebook 05.
 """
@@ -38,12 +45,15 @@ EMPTY, HELD = -1, -2   # occupancy codes: a free seat; a static seat whose membe
 @dataclass
 class SchedulerConfig:
     """Knobs of the scheduler. ``max_num_batched_tokens``: tokens per forward (prefill
-    tokens + one per decoding sequence); a prompt longer than it still runs, alone."""
+    tokens + one per decoding sequence); a prompt longer than it still runs, alone —
+    unless ``enable_chunked_prefill`` (continuous only), which splits prompts into
+    chunks that fit what is left of the budget."""
 
     policy: str = "continuous"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -52,12 +62,16 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if self.enable_chunked_prefill and self.policy != "continuous":
+            raise ValueError(f"enable_chunked_prefill needs scheduler='continuous'; "
+                             f"got scheduler={self.policy!r}")
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new: int                 # tokens fed this step: seq.all_token_ids[-num_new:]
+    num_new: int                 # tokens fed this step, from position seq.num_computed on
+    prefill: bool = True         # prompt tokens (or a chunk of them), not a decode token
 
 
 @dataclass
@@ -181,7 +195,7 @@ class Scheduler:
         """One new token per running sequence, preempting the newest when blocks run out.
 
         Returns the number of tokens scheduled."""
-        queue = list(self.running)
+        queue = [s for s in self.running if not self.in_prefill(s)]
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -195,21 +209,29 @@ class Scheduler:
             _, cow = self.bm.append_slot(seq.seq_id, seq.all_token_ids[-1])
             if cow is not None:
                 out.block_copies.append(cow)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed, prefill=False))
             kept.append(seq)
-        self.running = kept
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return len(kept)
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> int:
-        """Allocate the sequence's blocks and schedule its prefill; returns its new tokens."""
+    def in_prefill(self, seq: Sequence) -> bool:
+        """Still feeding tokens it already holds slots for (a prompt, or a chunk of one)."""
+        return self.bm.has_seq(seq.seq_id) and self.bm.num_tokens(seq.seq_id) > seq.num_computed
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, limit: int | None = None) -> int:
+        """Allocate the sequence's blocks and schedule its prefill (at most ``limit``
+        tokens of it); returns the tokens scheduled."""
         self.waiting.popleft()
-        cached = self.bm.allocate(seq.seq_id, seq.all_token_ids)
+        chunked = self.config.enable_chunked_prefill
+        # a chunked prompt's blocks join the prefix cache only once computed
+        cached = self.bm.allocate(seq.seq_id, seq.all_token_ids, defer_caching=chunked)
         seq.num_computed = cached
         seq.status = SequenceStatus.RUNNING
         self._take_seat(seq)
         self.running.append(seq)
-        out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed))
-        return seq.num_uncomputed
+        n = seq.num_uncomputed if limit is None else min(seq.num_uncomputed, limit)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return n
 
     # -- policies ----------------------------------------------------------------------------
     def schedule(self, now: float = float("inf")) -> SchedulerOutput:
@@ -221,7 +243,15 @@ class Scheduler:
     def _schedule_continuous(self, now: float) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput(packed=True)
+        filling = [s for s in self.running if self.in_prefill(s)]   # before decodes append
         used = self._schedule_decodes(out)
+        budget = cfg.max_num_batched_tokens
+        chunked = cfg.enable_chunked_prefill
+        for seq in filling:               # chunked prompts part-way through go on first
+            if chunked and seq.status is SequenceStatus.RUNNING and used < budget:
+                n = min(seq.num_uncomputed, budget - used)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                used += n
         if out.preempted:           # memory is tight: let the running ones drain first
             return out
         seats = self._seats_in_use()
@@ -232,11 +262,13 @@ class Scheduler:
             need = self._seats_needed(seq)
             if seats + need > cfg.max_num_seqs:
                 break
-            if out.scheduled and used + seq.num_tokens > cfg.max_num_batched_tokens:
+            if chunked and used >= budget:
+                break
+            if not chunked and out.scheduled and used + seq.num_tokens > budget:
                 break
             if not self.bm.can_allocate(seq.all_token_ids):
                 break
-            used += self._admit(seq, out)
+            used += self._admit(seq, out, budget - used if chunked else None)
             seats += need
         return out
 

@@ -62,6 +62,25 @@ def plot_occupancy(stats_by_name: dict[str, EngineStats], width: int, title: str
     return fig
 
 
+def plot_step_times(stats_by_name: dict[str, EngineStats], title: str = ""):
+    """Duration of every forward pass, one line per engine; dots mark steps that fed
+    prompt tokens. Every sequence decoding in a long step waits for it (its TPOT)."""
+    fig, ax = plt.subplots(figsize=(7, 2.8), dpi=80)
+    for name, stats in stats_by_name.items():
+        ms = np.array([(r.end_s - r.start_s) * 1e3 for r in stats.steps])
+        line, = ax.plot(ms, lw=1, label=f"{name}: longest {ms.max():.0f} ms")
+        pre = np.array([r.prefill_tokens > 0 for r in stats.steps])
+        ax.plot(np.flatnonzero(pre), ms[pre], ".", color=line.get_color(), ms=5)
+    ax.set_xlabel("iteration (dots: the step fed prompt tokens)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 # -- throughput against latency ----------------------------------------------------------
 
 def arrival_sweep(llm_by_policy: dict[str, LLM], prompts: list[list[int]],
@@ -176,5 +195,5 @@ def explore_batching(max_num_seqs: int = 8, num_blocks: int = 40, block_size: in
     return fig
 
 
-__all__ = ["occupancy_grid", "plot_occupancy", "arrival_sweep", "plot_throughput_latency",
+__all__ = ["occupancy_grid", "plot_occupancy", "plot_step_times", "arrival_sweep", "plot_throughput_latency",
            "demo_requests", "serve_demo", "explore_batching"]
