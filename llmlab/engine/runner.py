@@ -19,7 +19,8 @@ Per layer it attends, for each kind of row:
 * a fresh prompt (no cached prefix): the layer's own backend (naive/sdpa/flash) on that
   sequence's rows, causal — nothing to read from the pool (short packs of several
   prompts take one SDPA call with a block-diagonal causal mask built from cu_seqlens);
-* a prompt continuing a cached prefix, and decode tokens: keys and values read from the
+* a prompt continuing a cached prefix (a prefix-cache hit, or the next chunk of a prompt
+  under chunked prefill), and decode tokens: keys and values read from the
   pool through the block tables (``decode_attention``: ``"gather"`` copies the needed
   blocks with one ``index_select`` and runs SDPA with a length mask; ``"paged"`` and
   ``"paged_triton"`` are the paged backends of notebook 04). Decodes are sorted by

@@ -217,9 +217,16 @@ fig = plot_step_times({"continuous": engines["continuous"].stats,
 fig.savefig("/tmp/nb05_steps.png")
 
 # %% [markdown]
-# The long steps (a whole prompt, or several) become more, shorter steps. The total work is the
-# same, so throughput barely moves; what a decoding request feels — the longest wait between two of
-# its tokens — shrinks. The price is TTFT for the long prompt, which now takes several steps.
+# The long steps become more, shorter ones: no decoding request ever waits for a whole 200-token
+# prompt again. But read the other numbers: on this CPU, chunking makes throughput *worse* and does
+# not help TPOT. Notebook 02's roofline says why. A decode step is memory-bound only while the batch
+# is a handful of rows: reading the weights costs the same for 1 row or 4. Sixty prompt tokens added
+# to that step are not free here; they cost their full compute, so every chunk step is slower than
+# a pure decode step, and the prompt's cost is spread over more of everyone's tokens instead of
+# being paid once. On a GPU the ridge point is hundreds of FLOPs per byte: a decode step of 32 rows
+# is far below it, and a few hundred prompt tokens ride along almost for free. That is the regime
+# chunked prefill was made for (vLLM turns it on by default on GPUs), and why a CPU engine may
+# leave it off. `python -m llmlab.bench serve` runs it at 128 tokens/step on the full trace.
 
 # %% [markdown]
 # ### Throughput against latency as the load grows
