@@ -136,6 +136,21 @@ def test_tiny_block_budget_preempts_and_completes_everything(tiny, tiny_tok):
     assert tight.engine.cache.manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("decode_attention", ["paged", "paged_triton"])
+def test_paged_backends_serve_decodes_and_chunks(tiny, tiny_tok, decode_attention):
+    """The engine's GPU default reads the pool through the paged kernels (interpreted
+    here): decodes in two length groups, and a prompt continued chunk by chunk."""
+    ids = prompts_of([9, 3, 6], seed=7)
+    llm = LLM(tiny, tiny_tok, max_num_seqs=3, block_size=4, num_blocks=32,
+              max_num_batched_tokens=5, enable_chunked_prefill=True,
+              decode_attention=decode_attention)
+    llm.engine.runner.packed.decode_group = 2
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(ids, outs):
+        assert o.outputs[0].token_ids == alone(tiny, tiny_tok, p, 3)
+
+
 def test_chunked_prefill_caps_every_step_and_changes_no_token(tiny, tiny_tok):
     ids = prompts_of([30, 5, 17, 23, 2, 11], seed=3)
     lens = [6, 4, 5, 3, 7, 2]
