@@ -219,7 +219,10 @@ def main(argv: list[str]) -> int:
     del hf
     round_ratios: dict[str, list[float]] = {}
     if args.rounds > 1:
-        print(f"   {args.rounds} rounds; per round, llmlab continuous tokens/s over:")
+        print(f"   {args.rounds} rounds (each system's order rotates); wall s per round:")
+        for name in systems:
+            print(f"     {name}: " + ", ".join(f"{x['wall_s']:.1f}" for x in runs[name]))
+        print("   per round, llmlab continuous tokens/s over:")
         for name in (n for n in systems if n != CONT):
             ratios = [o["wall_s"] / c["wall_s"]          # same tokens: a ratio of tokens/s
                       for c, o in zip(runs[CONT], runs[name])]
