@@ -121,10 +121,6 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_uncomputed > 1 or not self.output_token_ids
-
-    @property
     def finished(self) -> bool:
         return self.status.finished
 
