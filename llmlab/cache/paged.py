@@ -142,12 +142,14 @@ class PagedKVCache:
 
     # -- the interface every cache implements --------------------------------------------
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Store k, v [n, kv_heads, head_dim] at flat slots [n] of layer ``layer_idx`` (−1 skipped)."""
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        self.k[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = k[keep]
-        self.v[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = v[keep]
+              slot_mapping: torch.Tensor, has_pads: bool = True) -> None:
+        """Store k, v [n, kv_heads, head_dim] at flat slots [n] of layer ``layer_idx`` (−1
+        skipped). ``has_pads=False`` promises no −1 (a packed step) and skips the filter."""
+        if has_pads:
+            keep = slot_mapping >= 0
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        self.k[layer_idx].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+        self.v[layer_idx].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend) -> torch.Tensor:

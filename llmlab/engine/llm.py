@@ -176,8 +176,8 @@ class LLMEngine:
     def step(self) -> list[tuple[Sequence, int]]:
         """Schedule, run and sample once; returns the (sequence, token) pairs produced.
 
-        Returns [] when nothing could run (e.g. the next request has not arrived yet), or
-        when the step only fed chunks of prompts (``idle`` tells the two apart).
+        Returns [] when nothing could run (e.g. the next request has not arrived yet; then
+        ``idle`` is set), or when the step only fed chunks of prompts.
         """
         start = self.now()
         work = self.scheduler.schedule(start)
@@ -282,8 +282,6 @@ class LLMEngine:
 
     def _wait_for_arrival(self, start: float) -> None:
         """Nothing could run at ``start``: sleep until the next request arrives."""
-        if not self.idle:              # the step ran (prompt chunks only): go on
-            return
         nxt = self.scheduler.next_arrival()
         if nxt is None or nxt <= start:
             raise RuntimeError("the scheduler made no progress; this is a bug "
@@ -299,7 +297,7 @@ class LLMEngine:
             produced = self.step()
             if on_step is not None:
                 on_step(produced)
-            if not produced:
+            if self.idle:
                 self._wait_for_arrival(start)
         self.stats.wall_s += self.now() - t
 
@@ -469,7 +467,7 @@ class LLM:
         while eng.has_unfinished():
             start = eng.now()
             produced = eng.step()
-            if not produced:
+            if eng.idle:
                 eng._wait_for_arrival(start)
             for seq, tok in produced:
                 key = seq.seq_id

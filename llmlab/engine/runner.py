@@ -133,7 +133,7 @@ class PackedBatch:
 
     cu_seqlens: torch.Tensor        # int32 [batch + 1]: row offsets into the packed tokens
     num_new: list[int]              # new tokens per sequence
-    seqlens: torch.Tensor           # int32 [batch]: cached + new tokens per sequence
+    seqlens: list[int]              # cached + new tokens per sequence
     slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
     fresh: list[int]                # sequences with no cached prefix (prompt from scratch)
     continued: list[int]            # prompts on top of a cached prefix
@@ -213,7 +213,7 @@ class PackedPagedAttention:
         groups += [self._group([i], tables, lens, cu, num_new[i], dev) for i in continued]
         self.batch = PackedBatch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), num_new=list(num_new),
-            seqlens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            seqlens=lens,
             slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
             fresh=fresh, continued=continued, decode=decode, pool_groups=groups,
             tables=tables)
@@ -238,10 +238,7 @@ class PackedPagedAttention:
             raise ValueError(f"packed q must be [1, {b.slot_mapping.numel()}, heads, head_dim]; "
                              f"got {tuple(q.shape)}")
         q, k, v = q[0], k[0], v[0]
-        kv_shape = (-1,) + k.shape[1:]
-        # every packed token has a slot (no pads): write without a keep-mask
-        self.paged.k[layer_idx].view(kv_shape).index_copy_(0, b.slot_mapping, k)
-        self.paged.v[layer_idx].view(kv_shape).index_copy_(0, b.slot_mapping, v)
+        self.paged.write(layer_idx, k, v, b.slot_mapping, has_pads=False)
         out = torch.empty_like(q)
         self._fresh_attention(layer_idx, q, k, v, backend, out)
         heads, head_dim = q.shape[1:]
@@ -269,7 +266,7 @@ class PackedPagedAttention:
             s, e = cu[i], cu[i + 1]
             if name in PAGED_BACKENDS:
                 if i not in b.fresh_groups:
-                    b.fresh_groups[i] = self._group([i], b.tables, b.seqlens.tolist(), cu,
+                    b.fresh_groups[i] = self._group([i], b.tables, b.seqlens, cu,
                                                     e - s, q.device)
                 out[s:e] = self._pool_attention(layer_idx, q[None, s:e], b.fresh_groups[i])[0]
             else:

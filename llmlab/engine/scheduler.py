@@ -211,8 +211,7 @@ class Scheduler:
                 out.block_copies.append(cow)
             out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed, prefill=False))
             kept.append(seq)
-        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        return len(kept)
+        return len(kept)          # the preempted have left self.running
 
     def in_prefill(self, seq: Sequence) -> bool:
         """Still feeding tokens it already holds slots for (a prompt, or a chunk of one)."""
@@ -247,8 +246,8 @@ class Scheduler:
         used = self._schedule_decodes(out)
         budget = cfg.max_num_batched_tokens
         chunked = cfg.enable_chunked_prefill
-        for seq in filling:               # chunked prompts part-way through go on first
-            if chunked and seq.status is SequenceStatus.RUNNING and used < budget:
+        for seq in filling if chunked else []:   # prompts part-way through go on first
+            if used < budget:
                 n = min(seq.num_uncomputed, budget - used)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 used += n
