@@ -9,6 +9,10 @@
 4. the same with chunked prefill at a small token budget per step (``--chunk-budget``):
    the same work cut so that no step is long, which is what TPOT feels.
 
+On an x86 CPU, llmlab's linear layers use oneDNN-prepacked weights, as CPU serving engines
+do (:mod:`llmlab.layers.prepack`), in every llmlab system and in the reference run;
+``--no-prepack`` keeps plain ``F.linear``.
+
 Every request of the trace (``data/traces/cpu.jsonl`` by default) arrives at time 0 and
 generates exactly its ``output_tokens`` (greedy, EOS ignored, as serving benchmarks do),
 so TTFT includes the time spent waiting for a seat. Reported: generated tokens/s
@@ -90,7 +94,7 @@ def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
     gen_cfg.eos_token_id = None            # run every row to max_new_tokens, like ignore_eos
     gen_cfg.do_sample = False
     gen_cfg.temperature, gen_cfg.top_p, gen_cfg.top_k = None, None, None
-    metrics, tokens = [], []
+    metrics, tokens, positions = [], [], 0
     t0 = time.perf_counter()
     for start in range(0, len(trace), batch_size):
         batch = trace[start:start + batch_size]
@@ -101,13 +105,15 @@ def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
         gen_cfg.max_new_tokens, gen_cfg.pad_token_id = longest, pad
         out = hf_model.generate(**enc, generation_config=gen_cfg, streamer=clock)
         gen = out[:, enc["input_ids"].shape[1]:]
+        # the padded prompt once, then one position per row for every further token
+        positions += len(batch) * (enc["input_ids"].shape[1] + longest - 1)
         for row, r in enumerate(batch):
             n = r["output_tokens"]
             tokens.append(gen[row, :n].tolist())
             metrics.append(RequestMetrics(len(r["prompt_token_ids"]), n,
                                           clock.times[0] - t0, clock.times[n - 1] - t0))
     wall = time.perf_counter() - t0
-    return {"metrics": metrics, "tokens": tokens, "wall_s": wall}
+    return {"metrics": metrics, "tokens": tokens, "wall_s": wall, "positions": positions}
 
 
 def run_llmlab(llm, trace: list[dict]) -> dict:
@@ -122,7 +128,7 @@ def run_llmlab(llm, trace: list[dict]) -> dict:
     if bad:
         raise RuntimeError(f"{len(bad)} requests were rejected, e.g.: {bad[0]}")
     return {"metrics": [o.metrics for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
-            "wall_s": wall, "stats": llm.stats}
+            "wall_s": wall, "stats": llm.stats, "positions": llm.stats.computed_tokens}
 
 
 def _row(name: str, res: dict) -> dict:
@@ -152,6 +158,9 @@ def main(argv: list[str]) -> int:
                     help="serve the trace this many times per system, in rotating order; "
                          "report the median round (ratios are per round, so machine-load "
                          "drift between systems cancels)")
+    ap.add_argument("--no-prepack", dest="prepack", action="store_false",
+                    help="keep llmlab's linears on plain F.linear (default: oneDNN-prepacked "
+                         "weights on an x86 CPU, as a CPU serving engine does)")
     ap.add_argument("--quick", action="store_true",
                     help="16 requests, 8 seats, outputs scaled by 1/4")
     ap.add_argument("--gpu", action="store_true", help="GPU-sized run (needs CUDA)")
@@ -180,6 +189,7 @@ def main(argv: list[str]) -> int:
 
     import llmlab
     from ..engine import LLM
+    from ..layers.prepack import prepack_by_default, prepack_linears
 
     header(f"serve: {Path(args.trace).name}, {args.model}, max_num_seqs={args.max_num_seqs}")
     tok = llmlab.load_tokenizer(args.model)
@@ -190,6 +200,9 @@ def main(argv: list[str]) -> int:
           f" output tokens {min(outs)}..{max(outs)} (mean {sum(outs) / len(outs):.0f}); "
           f"torch threads {torch.get_num_threads()}; greedy, EOS ignored; all arrive at t=0")
     model = llmlab.load_model(args.model, attention="sdpa", device=device)
+    if args.prepack and prepack_by_default(model):   # every llmlab run and the reference
+        print(f"   llmlab linears: oneDNN-prepacked weights ({prepack_linears(model)} layers; "
+              "--no-prepack for plain F.linear)")
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -240,6 +253,14 @@ def main(argv: list[str]) -> int:
     for name, v in tps.items():
         if name != CONT:
             print(f"   {CONT} / {name}: {tps[CONT] / v:.2f}× tokens/s")
+    # a speedup is (work saved) × (cost per unit of work): token positions are the work
+    print("   the speedup split into work saved and time per token position:")
+    for name in (n for n in systems if n != CONT):
+        work = results[name]["positions"] / cont["positions"]
+        speed = tps[CONT] / tps[name]
+        print(f"     {name}: {results[name]['positions']} positions = {work:.2f}× continuous's "
+              f"{cont['positions']}; measured {speed:.2f}×, so continuous spends {work / speed:.2f}× "
+              "its time per position")
     for name in systems[systems.index("llmlab static"):]:
         st = results[name]["stats"]
         longest = max(r.end_s - r.start_s for r in st.steps)

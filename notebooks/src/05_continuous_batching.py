@@ -185,6 +185,39 @@ hf_idle = sum(len(part[i:i + SEATS]) * max(r["output_tokens"] for r in part[i:i 
 print(f"HF padded static: {hf_pads} prompt pads + {hf_idle} decode positions for rows already done")
 
 # %% [markdown]
+# ### Where the speedup comes from: work saved × time per position
+#
+# A speedup has two factors: how many token positions each system computes (a pad, or a row whose
+# request is already done, costs a forward row like a real token), and how long one position takes.
+# Divide the measured speedup by the work ratio and what is left is the second factor.
+
+# %%
+CONT_NAME = "llmlab continuous"
+for name, r in res.items():
+    if name != CONT_NAME:
+        work = r["positions"] / res[CONT_NAME]["positions"]
+        speed = summary[CONT_NAME]["tokens_per_s"] / summary[name]["tokens_per_s"]
+        print(f"{name:32s} {r['positions']:5d} positions = {work:.2f}× continuous's "
+              f"{res[CONT_NAME]['positions']}; measured {speed:.2f}× faster -> continuous spends "
+              f"{work / speed:.2f}× the time per position")
+
+# %% [markdown]
+# On a CPU the speedup follows the work ratio closely, because the matrix multiplies are most of
+# the cost and they charge a pad as much as a real token. Continuous batching's positions are not
+# cheaper, and can be dearer. Near the end of a trace only a few requests are left, so a step has
+# few rows. A step with few rows still reads every weight once, which is notebook 02's
+# memory-bound corner of the roofline, so each of its rows costs more than a row of a full padded
+# batch.
+#
+# On the whole 80-request trace with 32 seats (`python -m llmlab.bench serve`, this CPU), HF's
+# padded batches compute 2.84× the positions that continuous batching does. Continuous is measured
+# 2.5–2.7× faster, so each of its positions costs 5–10% more. With 64 seats the work ratio is
+# smaller (2.42×), but HF's 64-row decode steps are slower per row, and continuous comes out
+# 2.8–3.3× faster. To go much beyond the work ratio, the cost of a position has to fall. That is
+# the subject of the kernel notebooks (03 and 04) and of a GPU, where a small model's decode step
+# costs about the same for 1 row as for 64, and the number of steps counts instead of the rows.
+
+# %% [markdown]
 # ### Chunked prefill: no step is long
 #
 # Look at TPOT above: continuous batching produces tokens faster overall, yet each decoding request
