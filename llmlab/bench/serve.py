@@ -9,10 +9,6 @@
 4. the same with chunked prefill at a small token budget per step (``--chunk-budget``):
    the same work cut so that no step is long, which is what TPOT feels.
 
-On an x86 CPU, llmlab's linear layers use oneDNN-prepacked weights, as CPU serving engines
-do (:mod:`llmlab.layers.prepack`), in every llmlab system and in the reference run;
-``--no-prepack`` keeps plain ``F.linear``.
-
 Every request of the trace (``data/traces/cpu.jsonl`` by default) arrives at time 0 and
 generates exactly its ``output_tokens`` (greedy, EOS ignored, as serving benchmarks do),
 so TTFT includes the time spent waiting for a seat. Reported: generated tokens/s
@@ -143,7 +139,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--trace", default=str(repo_root() / "data" / "traces" / "cpu.jsonl"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="engine seats, and the size of the padded static batches")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=None, help="cap each request's output")
     ap.add_argument("--output-scale", type=float, default=1.0,
@@ -158,9 +155,6 @@ def main(argv: list[str]) -> int:
                     help="serve the trace this many times per system, in rotating order; "
                          "report the median round (ratios are per round, so machine-load "
                          "drift between systems cancels)")
-    ap.add_argument("--no-prepack", dest="prepack", action="store_false",
-                    help="keep llmlab's linears on plain F.linear (default: oneDNN-prepacked "
-                         "weights on an x86 CPU, as a CPU serving engine does)")
     ap.add_argument("--quick", action="store_true",
                     help="16 requests, 8 seats, outputs scaled by 1/4")
     ap.add_argument("--gpu", action="store_true", help="GPU-sized run (needs CUDA)")
@@ -189,7 +183,6 @@ def main(argv: list[str]) -> int:
 
     import llmlab
     from ..engine import LLM
-    from ..layers.prepack import prepack_by_default, prepack_linears
 
     header(f"serve: {Path(args.trace).name}, {args.model}, max_num_seqs={args.max_num_seqs}")
     tok = llmlab.load_tokenizer(args.model)
@@ -200,9 +193,6 @@ def main(argv: list[str]) -> int:
           f" output tokens {min(outs)}..{max(outs)} (mean {sum(outs) / len(outs):.0f}); "
           f"torch threads {torch.get_num_threads()}; greedy, EOS ignored; all arrive at t=0")
     model = llmlab.load_model(args.model, attention="sdpa", device=device)
-    if args.prepack and prepack_by_default(model):   # every llmlab run and the reference
-        print(f"   llmlab linears: oneDNN-prepacked weights ({prepack_linears(model)} layers; "
-              "--no-prepack for plain F.linear)")
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM

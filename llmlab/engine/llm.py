@@ -23,7 +23,6 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from ..cache.paged import PagedKVCache
-from ..layers.prepack import prepack_by_default, prepack_linears
 from .runner import DECODE_ATTENTION, ModelRunner
 from .sampler import sample_rows
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -326,9 +325,7 @@ class LLM:
     ``max_num_seqs`` full-context sequences). ``attention``: the dense backend used when
     loading by name (prompts from scratch use it). ``enable_chunked_prefill``: prompts
     are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
-    :mod:`llmlab.engine.scheduler`). ``prepack_weights``: give the model's linear layers
-    oneDNN-packed weights for CPU GEMMs (:mod:`llmlab.layers.prepack`; changes the model in
-    place); by default only a model loaded here by name, in float32 on an x86 CPU.
+    :mod:`llmlab.engine.scheduler`).
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
@@ -337,17 +334,13 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  attention: str = "sdpa", decode_attention: str | None = None, device=None,
-                 prepack_weights: bool | None = None, seed: int = 0):
+                 seed: int = 0):
         import llmlab
 
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache={kv_cache!r}; allowed: {list(KV_CACHES)} (the engine "
                              "schedules over a paged cache)")
-        if prepack_weights not in (None, True, False):
-            raise ValueError(f"prepack_weights={prepack_weights!r}; allowed: None (prepack a "
-                             "model loaded by name on an x86 CPU), True, False")
-        owned = isinstance(model, str)
-        if owned:
+        if isinstance(model, str):
             name = model
             model = llmlab.load_model(name, attention=attention, device=device)
         else:
@@ -359,9 +352,6 @@ class LLM:
             if name is None or name == "custom":
                 raise ValueError("pass tokenizer= for a model built by hand")
             tokenizer = llmlab.load_tokenizer(name)
-        if prepack_weights is None:   # only a model this object loaded is changed unasked
-            prepack_weights = owned and prepack_by_default(model)
-        self.prepacked = prepack_linears(model) if prepack_weights else 0
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, scheduler=scheduler, block_size=block_size,
                                 num_blocks=num_blocks, max_num_seqs=max_num_seqs,

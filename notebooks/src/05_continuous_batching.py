@@ -130,7 +130,7 @@ for policy in ("continuous", "static"):
 #
 # A small slice so the notebook runs quickly: the first 8 requests, 4 seats, every output length
 # scaled by 1/4 (their spread, which is what static batching pays for, is kept).
-# `python -m llmlab.bench serve` runs all 80 requests at full length with 32 seats and checks a
+# `python -m llmlab.bench serve` runs all 80 requests at full length with 64 seats and checks a
 # sample of outputs against generating alone.
 
 # %%
@@ -204,18 +204,23 @@ for name, r in res.items():
 # %% [markdown]
 # On a CPU the speedup follows the work ratio closely, because the matrix multiplies are most of
 # the cost and they charge a pad as much as a real token. Continuous batching's positions are not
-# cheaper, and can be dearer. Near the end of a trace only a few requests are left, so a step has
-# few rows. A step with few rows still reads every weight once, which is notebook 02's
+# cheaper by nature, and can be dearer. Near the end of a trace only a few requests are left, so a
+# step has few rows. A step with few rows still reads every weight once, which is notebook 02's
 # memory-bound corner of the roofline, so each of its rows costs more than a row of a full padded
 # batch.
 #
-# On the whole 80-request trace with 32 seats (`python -m llmlab.bench serve`, this CPU), HF's
-# padded batches compute 2.84× the positions that continuous batching does. Continuous is measured
-# 2.5–2.7× faster, so each of its positions costs 5–10% more. With 64 seats the work ratio is
-# smaller (2.42×), but HF's 64-row decode steps are slower per row, and continuous comes out
-# 2.8–3.3× faster. To go much beyond the work ratio, the cost of a position has to fall. That is
-# the subject of the kernel notebooks (03 and 04) and of a GPU, where a small model's decode step
-# costs about the same for 1 row as for 64, and the number of steps counts instead of the rows.
+# So the work ratio is roughly the speedup to expect, and the seat count sets it.
+# `python -m llmlab.bench serve` measured this on the whole 80-request trace, on this CPU:
+#
+# * **32 seats:** HF's padded batches compute 23,584 positions, 2.83× continuous's 8,346.
+#   Continuous was measured 2.5–2.7× faster in the rounds after the first, so each of its
+#   positions costs 5–10% more than one of HF's.
+# * **64 seats:** a padded batch now waits for the longest of 64 requests, and HF computes
+#   25,984 positions, 3.11×. Continuous was measured 2.8–3.3× faster over seven rounds in three
+#   runs, median 3.1×: about the same time per position as HF.
+#
+# Past the work ratio, the speedup has to come from a cheaper position. That is the subject of the
+# kernel notebooks (03 and 04).
 
 # %% [markdown]
 # ### Chunked prefill: no step is long
