@@ -216,8 +216,8 @@ for name, r in res.items():
 #   Continuous was measured 2.5–2.7× faster in the rounds after the first, so each of its
 #   positions costs 5–10% more than one of HF's.
 # * **64 seats:** a padded batch now waits for the longest of 64 requests, and HF computes
-#   25,984 positions, 3.11×. Continuous was measured 2.8–3.3× faster over seven rounds in three
-#   runs, median 3.1×: about the same time per position as HF.
+#   25,984 positions, 3.11×. Continuous was measured 2.8–3.5× faster over ten rounds in four
+#   runs, median 3.2×: about the same time per position as HF.
 #
 # Past the work ratio, the speedup has to come from a cheaper position. That is the subject of the
 # kernel notebooks (03 and 04).
