@@ -8,7 +8,8 @@ import llmlab
 from llmlab.attention.paged import paged_attention_reference
 from llmlab.cache.paged import PagedKVCache
 from llmlab.engine import LLM, SamplingParams
-from llmlab.engine.runner import PackedPagedAttention, gather_attention
+from llmlab.engine.runner import (PackedPagedAttention, block_diagonal_attention,
+                                  block_diagonal_mask, gather_attention)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -31,6 +32,23 @@ def prompts_of(lengths, seed=0):
 def alone(model, tok, ids, n):
     return llmlab.generate(model, tok, [ids], max_new_tokens=n, kv_cache="contiguous",
                            ignore_eos=True)[0].token_ids
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_block_diagonal_attention_equals_each_prompt_alone(kv_heads):
+    torch.manual_seed(0)
+    lens = torch.tensor([5, 1, 17, 8])       # a one-token prompt among them
+    cu = torch.cat([torch.zeros(1), lens.cumsum(0)]).to(torch.int32)
+    q = torch.randn(31, 6, 16)
+    k, v = torch.randn(31, kv_heads, 16), torch.randn(31, kv_heads, 16)
+    expected = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+            is_causal=True, enable_gqa=kv_heads != 6).transpose(0, 1)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    for out in (block_diagonal_attention(q, k, v, cu),
+                block_diagonal_attention(q, k, v, None, mask=block_diagonal_mask(cu))):
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [3, 1, 6])

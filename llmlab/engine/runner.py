@@ -95,22 +95,31 @@ def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out.reshape(batch, seq_q, heads, head_dim)
 
 
+def block_diagonal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bool [total, total] for packed sequences: each token sees its own sequence's
+    earlier tokens (block-diagonal, causal inside each block)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    pos = torch.arange(seg.numel(), device=cu_seqlens.device)
+    return (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+
+
 def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             cu_seqlens: torch.Tensor,
-                             softmax_scale: float | None = None) -> torch.Tensor:
+                             cu_seqlens: torch.Tensor | None,
+                             softmax_scale: float | None = None,
+                             mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed sequences in one call, each seeing only itself.
 
     q [total, heads, head_dim]; k, v [total, kv_heads, head_dim]; cu_seqlens int32
-    [batch + 1] -> [total, heads, head_dim]. The mask is [total, total] (block-diagonal,
-    causal inside each block), so use it for short packs; a varlen kernel never builds it.
+    [batch + 1] (unused when ``mask`` is given) -> [total, heads, head_dim]. The mask
+    (:func:`block_diagonal_mask`; pass it in when many layers share it) is [total, total],
+    so use this for short packs; a varlen kernel never builds it.
     """
-    total, heads, _ = q.shape
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths.long())
-    pos = torch.arange(total, device=q.device)
-    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    heads = q.shape[1]
+    if mask is None:
+        mask = block_diagonal_mask(cu_seqlens.to(q.device))
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], attn_mask=allowed,
+                                         v.transpose(0, 1)[None], attn_mask=mask,
                                          scale=softmax_scale,
                                          enable_gqa=heads != k.shape[1])
     return out[0].transpose(0, 1)
@@ -132,6 +141,7 @@ class PackedBatch:
     """Metadata of one packed step (all tensors on the cache's device)."""
 
     cu_seqlens: torch.Tensor        # int32 [batch + 1]: row offsets into the packed tokens
+    cu: list[int]                   # the same offsets on the host (read by every layer)
     num_new: list[int]              # new tokens per sequence
     seqlens: list[int]              # cached + new tokens per sequence
     slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
@@ -140,7 +150,9 @@ class PackedBatch:
     decode: list[int]               # one new token on top of the cache
     pool_groups: list[PoolGroup]    # continued prompts and decodes, grouped for the pool
     tables: list[list[int]]         # block table of each sequence
+    # built by the first layer that needs them, then shared by the rest:
     fresh_groups: dict = field(default_factory=dict)   # fresh prompts read back (paged backends)
+    fresh_pack: tuple | None = None  # (rows, mask) of the fresh prompts' block-diagonal call
 
 
 class PackedPagedAttention:
@@ -212,7 +224,8 @@ class PackedPagedAttention:
                   for j in range(0, len(by_length), self.decode_group)]
         groups += [self._group([i], tables, lens, cu, num_new[i], dev) for i in continued]
         self.batch = PackedBatch(
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), num_new=list(num_new),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), cu=cu,
+            num_new=list(num_new),
             seqlens=lens,
             slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
             fresh=fresh, continued=continued, decode=decode, pool_groups=groups,
@@ -253,14 +266,17 @@ class PackedPagedAttention:
         b = self.batch
         if not b.fresh:
             return
-        cu = b.cu_seqlens.tolist()
+        cu = b.cu
         name = getattr(backend, "name", None)
         total = sum(cu[i + 1] - cu[i] for i in b.fresh)
         if name in ("naive", "sdpa") and len(b.fresh) > 1 and total <= self.pack_limit:
-            idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in b.fresh]).to(q.device)
-            lens = [0] + [cu[i + 1] - cu[i] for i in b.fresh]
-            local = torch.tensor(lens, device=q.device).cumsum(0).to(torch.int32)
-            out[idx] = block_diagonal_attention(q[idx], k[idx], v[idx], local)
+            if b.fresh_pack is None:
+                idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in b.fresh]).to(q.device)
+                lens = [0] + [cu[i + 1] - cu[i] for i in b.fresh]
+                local = torch.tensor(lens, device=q.device).cumsum(0).to(torch.int32)
+                b.fresh_pack = (idx, block_diagonal_mask(local))
+            idx, mask = b.fresh_pack
+            out[idx] = block_diagonal_attention(q[idx], k[idx], v[idx], None, mask=mask)
             return
         for i in b.fresh:
             s, e = cu[i], cu[i + 1]
@@ -329,5 +345,5 @@ def padding_tokens(lengths: list[int]) -> int:
 
 
 __all__ = ["ModelRunner", "PackedPagedAttention", "PackedBatch", "PoolGroup", "gather_attention", "gather_mask",
-           "block_diagonal_attention",
+           "block_diagonal_attention", "block_diagonal_mask",
            "padding_tokens", "DECODE_ATTENTION"]

@@ -191,11 +191,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> int:
-        """One new token per running sequence, preempting the newest when blocks run out.
+    def _schedule_decodes(self, out: SchedulerOutput,
+                          decoding: list[Sequence] | None = None) -> int:
+        """One new token per decoding sequence (default: every running one that is not
+        part-way through its prompt), preempting the newest when blocks run out.
 
         Returns the number of tokens scheduled."""
-        queue = [s for s in self.running if not self.in_prefill(s)]
+        queue = [s for s in self.running if not self.in_prefill(s)] if decoding is None \
+            else list(decoding)
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -242,8 +245,10 @@ class Scheduler:
     def _schedule_continuous(self, now: float) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput(packed=True)
-        filling = [s for s in self.running if self.in_prefill(s)]   # before decodes append
-        used = self._schedule_decodes(out)
+        filling, decoding = [], []      # split before the decodes append their slots
+        for s in self.running:
+            (filling if self.in_prefill(s) else decoding).append(s)
+        used = self._schedule_decodes(out, decoding)
         budget = cfg.max_num_batched_tokens
         chunked = cfg.enable_chunked_prefill
         for seq in filling if chunked else []:   # prompts part-way through go on first
