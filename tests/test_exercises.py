@@ -1,0 +1,74 @@
+"""The exercise registry: every checker accepts its solution, says "not yet" to the
+placeholder, and fails each known wrong variant with a message that names the mistake."""
+import pytest
+
+from llmlab import exercises
+from llmlab.exercises import KINDS, Exercise, Verdict, compare_tensors, exercise, wrong
+from llmlab.exercises.__main__ import self_check
+
+ALL = exercises.names()
+
+
+def test_registry_lists_exercises_with_metadata():
+    assert len(ALL) == len(set(ALL)) > 0
+    for name in ALL:
+        ex = exercises.get(name)
+        assert isinstance(ex, Exercise) and ex.name == name
+        assert ex.kind in KINDS and ex.title and ex.notebook[:2].isdigit()
+        assert name.startswith("nb" + ex.notebook[:2] + ".")
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(KeyError, match="there are"):
+        exercises.get("nb99.nothing")
+
+
+def test_each_notebook_has_a_build_exercise():
+    nbs = {exercises.get(n).notebook[:2] for n in ALL if exercises.get(n).kind == "build"}
+    missing = {f"{i:02d}" for i in range(1, 8)} - nbs
+    if missing:
+        pytest.xfail(f"notebooks without a build exercise yet: {sorted(missing)}")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_solution_placeholder_and_wrong_variants(name):
+    assert self_check(name) == []
+
+
+def test_build_exercises_have_two_wrong_variants():
+    thin = [n for n in ALL if exercises.get(n).kind == "build" and not exercises.get(n).stretch
+            and len(exercises.get(n).wrong_variants) < 2]
+    assert thin == []
+
+
+def test_check_never_raises_and_self_check_catches_a_broken_checker():
+    @exercise("nb99.selftest", notebook="99_test", title="t", kind="build", solution=lambda: 1,
+              wrong_variants={"two": (lambda: 2, ("two",))})
+    def _check(fn):
+        got = fn()
+        return Verdict(True, "ok") if got == 1 else wrong(f"got {got}, expected 1")
+
+    try:
+        ex = exercises.get("nb99.selftest")
+        assert ex.check(lambda: 1).passed
+        v = ex.check(lambda: 1 / 0)
+        assert not v.passed and "ZeroDivisionError" in v.message
+        assert "not yet" in str(ex.check(ex.placeholder))
+        assert "NotImplementedError" in ex.check(ex.placeholder).message
+        # the wrong variant's message does not contain "two": self_check reports it
+        assert any("lacks" in p for p in self_check("nb99.selftest"))
+    finally:
+        exercises._REGISTRY.pop("nb99.selftest", None)
+
+
+def test_compare_tensors_names_the_error():
+    import torch
+
+    want = torch.zeros(2, 3)
+    assert compare_tensors(want.clone(), want, "out", 1e-6) is None
+    got = want.clone()
+    got[1, 2] = 0.5
+    msg = compare_tensors(got, want, "out", 1e-6)
+    assert "0.5" in msg and "(1, 2)" in msg
+    assert "shape" in compare_tensors(torch.zeros(3), want, "out", 1e-6)
+    assert "tensor" in compare_tensors([0.0], want, "out", 1e-6)
