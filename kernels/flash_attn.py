@@ -6,24 +6,30 @@ ever writing the [seq_q, seq_k] score matrix to main memory.
 How: each program owns one tile of BLOCK_M query rows of one (sequence, KV head); the
 rows are the query positions × the query heads that share that KV head, interleaved
 (row r = position r // groups of head kv_head·groups + r % groups), so grouped-query
-attention reads each K/V block once per group and never repeats K/V in memory. It
-keeps that Q tile in registers/shared memory, streams K and V through in blocks of
-BLOCK_N keys, and keeps an online softmax in float32: running row max ``m``, running
-sum ``l``, and an accumulator rescaled by 2^(m_old − m_new) when the max grows (scores
-are pre-multiplied by log2(e) so the kernel can use exp2). The key loop is split into
-phases so only blocks that need a mask pay for one:
+attention reads each K/V block once per group and never repeats K/V in memory. The
+wrapper hands the kernel q and the output in that packed order, [batch, kv_heads,
+seq_q·groups, head_dim] (a view when groups is 1 or seq_q is 1, else one copy each way):
+a tile's row addresses are then base + row · stride, which the compiler recomputes for
+free, where interleaved addresses would stay in registers across the whole key loop and
+make the large tiles spill. The program keeps its Q tile on chip, streams K and V
+through in blocks of BLOCK_N keys, and keeps an online softmax in float32: running row
+max ``m``, running sum ``l``, and an accumulator rescaled by 2^(m_old − m_new) when the
+max grows (scores are pre-multiplied by log2(e) so the kernel can use exp2).
 
-    [lo, full_lo)        masked   the block holding the first real key (left padding)
-    [full_lo, full_hi)   unmasked every key visible to every row of the Q block
-    [max(.), hi)         masked   blocks crossing the causal diagonal, and the ragged tail
+The key blocks start at the row's first visible key (``key_start``, 0 without one), so
+left padding never needs a mask, and the loop is split in two so only the blocks that
+need a mask pay for one:
 
-Blocks past the causal diagonal of the block's last row are never loaded (skipped).
+    unmasked   the blocks every row of the tile sees in full
+    masked     the blocks crossing the causal diagonal, and the ragged tail
+
+Blocks past the causal diagonal of the tile's last row are never loaded.
 
 Layouts (last dimension contiguous, other strides arbitrary):
     dense   q [batch, seq_q, heads, head_dim], k/v [batch, seq_k, kv_heads, head_dim]
     varlen  q [total_q, heads, head_dim],      k/v [total_k, kv_heads, head_dim],
             cu_seqlens_q/k int32 [batch + 1]
-    output  same layout and dtype as q.
+    output  same layout and dtype as q (contiguous).
 
 Masks: ``causal`` is aligned bottom-right (query i sees key j when j <= i + seq_k − seq_q,
 per sequence), which covers decode (seq_q = 1) and chunked prefill (seq_q < seq_k).
@@ -31,9 +37,13 @@ per sequence), which covers decode (seq_q = 1) and chunked prefill (seq_q < seq_
 padding; tokens after a row finished). A query row with no visible key returns zeros.
 
 Limits: head_dim a power of two from 16 to 256; inputs float32, float16 or bfloat16
-(float32 dots use full IEEE precision, not TF32); grouped-query attention when heads
-is a multiple of kv_heads (query head h reads KV head h // (heads // kv_heads)). Forward only. Without CUDA the kernel runs in the Triton
-interpreter (``TRITON_INTERPRET=1``, set by ``import llmlab``): same code, slow.
+(float16/bfloat16 dots run on tensor cores, float32 dots in full IEEE precision, not
+TF32); grouped-query attention when heads is a multiple of kv_heads (query head h reads
+KV head h // (heads // kv_heads)). Forward only. On a GPU the tile is autotuned among
+:func:`tile_configs`, tiles that build without spilling registers on A100 (sm_80) and
+H100 (sm_90) — ``python -m llmlab.kernels.report`` shows each build. Without CUDA the
+kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by ``import llmlab``):
+same code, slow.
 """
 from __future__ import annotations
 
@@ -48,19 +58,18 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
-                      offs_i, offs_d, lo, hi, k_begin, k_stop, causal_offset, qk_scale,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+def _attend_kv_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_step, v_step, offs_n, n_blocks,
+                      k_stop, row_end, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold key blocks [lo, hi) into the online-softmax state (acc, l_i, m_i).
+    """Fold ``n_blocks`` key blocks into the online-softmax state (acc, l_i, m_i).
 
-    offs_i [BLOCK_M] is the query position of each tile row (for the causal mask).
+    k_ptrs [HEAD_DIM, BLOCK_N] and v_ptrs [BLOCK_N, HEAD_DIM] point at the first block and
+    move on by k_step / v_step elements per block; offs_n [BLOCK_N] are its key indices.
+    MASKED: keys at or past ``k_stop`` are not loaded, and query row r sees only keys
+    before row_end[r]. Not MASKED: every key of every block is visible to every row, so
+    the hot loop has no comparisons at all.
     """
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None]     # [D, BLOCK_N]
-        v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :]     # [BLOCK_N, D]
+    for _ in range(n_blocks):
         if MASKED:
             in_range = offs_n < k_stop
             k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
@@ -70,12 +79,9 @@ def _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
-            ok = (in_range & (offs_n >= k_begin))[None, :]
-            if CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_i[:, None] + causal_offset)
-            s = tl.where(ok, s, float("-inf"))
+            s = tl.where(offs_n[None, :] < row_end[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # row saw nothing yet
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # row saw no key yet
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -89,107 +95,159 @@ def _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+        k_ptrs += k_step
+        v_ptrs += v_step
+        offs_n += BLOCK_N
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["seq_q", "seq_k"])
 def _flash_fwd_kernel(Q, K, V, O, CU_Q, CU_K, K_START, K_END,
-                      stride_qb, stride_qm, stride_qh,
+                      stride_qb, stride_qh, stride_qr,
                       stride_kb, stride_kn, stride_kh,
                       stride_vb, stride_vn, stride_vh,
-                      stride_ob, stride_om, stride_oh,
+                      stride_ob, stride_oh, stride_or,
                       seq_q, seq_k, kv_heads, groups, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, VARLEN: tl.constexpr, HAS_K_RANGE: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # Program (start_m, b * kv_heads + kv_h). Its tile rows are the query heads that share
-    # KV head kv_h, interleaved: tile row r is query r // groups of head
-    # kv_h * groups + r % groups. K/V are read once for the whole group.
+    # Program (start_m, b * kv_heads + kv_h). Q and O come packed, [batch, kv_heads,
+    # seq_q * groups, head_dim] (varlen: [1, kv_heads, total_q * groups, head_dim]): row
+    # r of (b, kv_h) is query position r // groups of head kv_h * groups + r % groups.
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // kv_heads
     kv_h = bh % kv_heads
+    # every offset that can pass 2^31 elements is computed in int64, once, here
     if VARLEN:
         q_first = tl.load(CU_Q + b)
         q_len = tl.load(CU_Q + b + 1) - q_first
         k_first = tl.load(CU_K + b)
         k_len = tl.load(CU_K + b + 1) - k_first
-        q_base = q_first.to(tl.int64) * stride_qm
-        o_base = q_first.to(tl.int64) * stride_om
-        k_base = k_first.to(tl.int64) * stride_kn
-        v_base = k_first.to(tl.int64) * stride_vn
+        q_base = (q_first * groups).to(tl.int64) * stride_qr + kv_h.to(tl.int64) * stride_qh
+        o_base = (q_first * groups).to(tl.int64) * stride_or + kv_h.to(tl.int64) * stride_oh
+        k_base = k_first.to(tl.int64) * stride_kn + kv_h.to(tl.int64) * stride_kh
+        v_base = k_first.to(tl.int64) * stride_vn + kv_h.to(tl.int64) * stride_vh
     else:
         q_len = seq_q
         k_len = seq_k
-        q_base = b.to(tl.int64) * stride_qb
-        o_base = b.to(tl.int64) * stride_ob
-        k_base = b.to(tl.int64) * stride_kb
-        v_base = b.to(tl.int64) * stride_vb
-    if start_m * BLOCK_M < q_len * groups:
-        # causal alignment uses the full key length; a key range [k_begin, k_stop) per row
-        # (left padding, finished rows) only hides keys
-        causal_offset = k_len - q_len
-        k_begin = 0
-        k_stop = k_len
-        if HAS_K_RANGE:
-            k_begin = tl.load(K_START + b)
-            k_stop = tl.minimum(k_len, tl.load(K_END + b))
-        offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_i = offs_r // groups                       # query position of each row
-        offs_h = kv_h * groups + offs_r % groups         # query head of each row
-        row_ok = offs_r < q_len * groups
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_off = offs_i * stride_qm + offs_h * stride_qh
-        q = tl.load(Q + q_base + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        k_ptr = K + k_base + kv_h * stride_kh
-        v_ptr = V + v_base + kv_h * stride_vh
+        q_base = b.to(tl.int64) * stride_qb + kv_h.to(tl.int64) * stride_qh
+        o_base = b.to(tl.int64) * stride_ob + kv_h.to(tl.int64) * stride_oh
+        k_base = b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+        v_base = b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+    if start_m * BLOCK_M >= q_len * groups:
+        return                                        # a tile past this sequence's rows
+    # causal alignment uses the full key length; a key range [k_begin, k_stop) per batch
+    # row (left padding, finished rows) only hides keys
+    causal_offset = k_len - q_len
+    k_begin = 0
+    k_stop = k_len
+    if HAS_K_RANGE:
+        k_begin = tl.load(K_START + b)
+        k_stop = tl.minimum(k_len, tl.load(K_END + b))
+    offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < q_len * groups
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + q_base + offs_r[:, None] * stride_qr + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # The first n_full key blocks are visible to every row of the tile and run unmasked;
+    # the rest, up to the last key the tile's last row sees, run masked.
+    if CAUSAL:
+        first_i = (start_m * BLOCK_M) // groups
+        last_i = tl.minimum(((start_m + 1) * BLOCK_M - 1) // groups, q_len - 1)
+        hi = tl.minimum(k_stop, last_i + 1 + causal_offset)
+        all_see = tl.minimum(k_stop, first_i + 1 + causal_offset)
+        row_end = tl.minimum(offs_r // groups + 1 + causal_offset, k_stop)   # [BLOCK_M]
+    else:
+        hi = k_stop
+        all_see = k_stop
+        row_end = tl.full([BLOCK_M], 0, tl.int32) + k_stop
+    n_full = tl.maximum(all_see - k_begin, 0) // BLOCK_N
+    n_all = (tl.maximum(hi - k_begin, 0) + BLOCK_N - 1) // BLOCK_N
 
-        lo = (k_begin // BLOCK_N) * BLOCK_N
-        full_lo = ((k_begin + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            first_i = (start_m * BLOCK_M) // groups
-            last_i = tl.minimum(((start_m + 1) * BLOCK_M - 1) // groups, q_len - 1)
-            hi = tl.minimum(k_stop, last_i + 1 + causal_offset)
-            first_row_sees = tl.maximum(tl.minimum(k_stop, first_i + causal_offset + 1), 0)
-            full_hi = (first_row_sees // BLOCK_N) * BLOCK_N
-        else:
-            hi = k_stop
-            full_hi = (k_stop // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
-                                          offs_i, offs_d, lo, tl.minimum(full_lo, hi), k_begin,
-                                          k_stop, causal_offset, qk_scale, BLOCK_N, True, CAUSAL,
-                                          DOT_PRECISION, UPCAST)
-        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
-                                          offs_i, offs_d, full_lo, full_hi, k_begin,
-                                          k_stop, causal_offset, qk_scale, BLOCK_N, False, CAUSAL,
-                                          DOT_PRECISION, UPCAST)
-        acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn,
-                                          offs_i, offs_d, tl.maximum(full_lo, full_hi), hi,
-                                          k_begin, k_stop, causal_offset, qk_scale, BLOCK_N, True,
-                                          CAUSAL, DOT_PRECISION, UPCAST)
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        o_row = offs_i * stride_om + offs_h * stride_oh
-        tl.store(O + o_base + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = k_begin + tl.arange(0, BLOCK_N)
+    k_ptrs = K + k_base + offs_n[None, :] * stride_kn + offs_d[:, None]     # [D, BLOCK_N]
+    v_ptrs = V + v_base + offs_n[:, None] * stride_vn + offs_d[None, :]     # [BLOCK_N, D]
+    acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, BLOCK_N * stride_kn,
+                                      BLOCK_N * stride_vn, offs_n, n_full, k_stop, row_end,
+                                      qk_scale, BLOCK_N, False, DOT_PRECISION, UPCAST)
+    offs_n = k_begin + n_full * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ptrs = K + k_base + offs_n[None, :] * stride_kn + offs_d[:, None]
+    v_ptrs = V + v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, BLOCK_N * stride_kn,
+                                      BLOCK_N * stride_vn, offs_n, n_all - n_full, k_stop,
+                                      row_end, qk_scale, BLOCK_N, True, DOT_PRECISION, UPCAST)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)           # a row with no visible key -> zeros
+    out = acc / l_safe[:, None]
+    tl.store(O + o_base + offs_r[:, None] * stride_or + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-# On a GPU the tile shape is tuned once per (head_dim, causal, varlen, dtype): the
-# FlashAttention-2 tutorial sizes (BLOCK_M 64/128, BLOCK_N 32/64/128) with 4 or 8 warps.
-_GPU_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                         (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 2), (64, 128, 4, 3)]
-]
+# On a GPU the tile is autotuned once per (head_dim, masks, dtype) among the tiles below,
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU generation, head_dim and dot kind.
+# Each builds with no register spills and fits the generation's shared memory (see
+# llmlab.kernels.report, checked in tests/test_kernel_compile.py). sm_80 (A100) keeps
+# K/V operands in registers (mma.sync), so its large tiles need more warps than sm_90's
+# (H100, wgmma reads them from shared memory); 128 query rows on 4 warps at head_dim 128
+# hold a 128-register accumulator per thread and always spill.
+_TILES = {
+    ("sm_80", 64, "half"): [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)],
+    ("sm_80", 128, "half"): [(128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4)],
+    ("sm_80", 256, "half"): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    ("sm_90", 64, "half"): [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                            (64, 32, 4, 4)],
+    ("sm_90", 128, "half"): [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+    ("sm_90", 256, "half"): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    ("sm_80", 64, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("sm_80", 128, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("sm_80", 256, "fp32"): [(32, 32, 4, 2)],
+    ("sm_90", 64, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("sm_90", 128, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("sm_90", 256, "fp32"): [(32, 32, 4, 2)],
+}
+ARCHS = ("sm_80", "sm_90")
+
+
+def tile_configs(arch: str, head_dim: int, dtype: str) -> list[tuple[int, int, int, int]]:
+    """The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may pick.
+
+    ``arch`` "sm_80" or "sm_90" (other GPUs use the nearest older one); ``dtype``
+    "fp16", "bf16" or "fp32"; head_dim 16..256 (up to 64 share the head_dim-64 tiles).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}; allowed: {list(ARCHS)}")
+    if dtype not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}; allowed: 'fp16', 'bf16', 'fp32'")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim={head_dim}; allowed: 16, 32, 64, 128, 256")
+    return list(_TILES[(arch, max(head_dim, 64), "fp32" if dtype == "fp32" else "half")])
+
+
+def _arch_of(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm_90" if major >= 9 else "sm_80"
+
+
+def _prune_tiles(configs, named_args, **kwargs):
+    """The autotuner's candidates for this launch: the tiles of :func:`tile_configs`."""
+    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(named_args["Q"].dtype, "fp32")
+    wanted = tile_configs(_arch_of(named_args["Q"].device), kwargs["HEAD_DIM"], dtype)
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                   c.num_stages) in wanted]
+
+
+_ALL_TILES = sorted({t for tiles in _TILES.values() for t in tiles})
 _flash_fwd_tuned = triton.autotune(
-    configs=_GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "VARLEN", "HAS_K_RANGE", "DOT_PRECISION", "UPCAST"],
+    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+             for bm, bn, w, s in _ALL_TILES],
+    key=["HEAD_DIM", "CAUSAL", "VARLEN", "HAS_K_RANGE", "DOT_PRECISION", "UPCAST"],
+    prune_configs_by={"early_config_prune": _prune_tiles},
 )(_flash_fwd_kernel)
 
 INTERPRETER_BLOCK = 64  # interpreter cost grows with program count, so fewer, larger tiles
@@ -220,17 +278,46 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m, bl
         raise ValueError("give both block_m and block_n, or neither (then they are chosen)")
 
 
-def _launch(q, k, v, o, cu_q, cu_k, key_start, key_end, strides, seq_q, seq_k, batch, max_seqlen_q,
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[batch, seq, heads, d] -> the view [batch, kv_heads, seq, groups, d]."""
+    b, s, h, d = t.shape
+    return t.view(b, s, kv_heads, h // kv_heads, d).permute(0, 2, 1, 3, 4)
+
+
+def _packed_rows(t: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+    """[batch, seq, heads, d] -> the view [batch, kv_heads, seq * groups, d] in the kernel's
+    row order, or None where the strides do not allow one (groups > 1 and seq > 1)."""
+    b, s, h, d = t.shape
+    try:
+        return _grouped(t, kv_heads).view(b, kv_heads, s * (h // kv_heads), d)
+    except RuntimeError:
+        return None
+
+
+def _launch(q, k, v, cu_q, cu_k, key_start, key_end, k_strides, seq_q, seq_k, batch, max_seqlen_q,
             causal, varlen, softmax_scale, block_m, block_n, num_warps, num_stages):
+    """q [B, seq, heads, d] (varlen: B = 1, seq = total_q) -> o, same shape, contiguous."""
     heads, kv_heads, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    groups = heads // kv_heads
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    packed_shape = (q.shape[0], kv_heads, q.shape[1] * groups, d)
+    qp = _packed_rows(q, kv_heads)
+    if qp is None:
+        qp = _grouped(q, kv_heads).reshape(packed_shape)            # one copy in
+    op = _packed_rows(o, kv_heads)
+    o_is_view = op is not None
+    if not o_is_view:
+        op = torch.empty(packed_shape, dtype=q.dtype, device=q.device)   # one copy out, below
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    rows = max_seqlen_q * (heads // kv_heads)  # tile rows per (sequence, KV head)
+    rows = max_seqlen_q * groups  # tile rows per (sequence, KV head)
     dummy = o  # never read when the matching flag is off
-    args = (q, k, v, o, cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+    args = (qp, k, v, op, cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             key_start if key_start is not None else dummy,
-            key_end if key_end is not None else dummy, *strides,
-            seq_q, seq_k, kv_heads, heads // kv_heads, scale * LOG2E)
+            key_end if key_end is not None else dummy,
+            qp.stride(0), qp.stride(1), qp.stride(2), *k_strides,
+            op.stride(0), op.stride(1), op.stride(2),
+            seq_q, seq_k, kv_heads, groups, scale * LOG2E)
     # The interpreter multiplies bfloat16 tiles as their raw uint16 bits (Triton 3.x), so
     # there the tiles are upcast to float32 before tl.dot; compiled kernels never upcast.
     upcast = _interpreted() and q.dtype == torch.bfloat16
@@ -239,16 +326,19 @@ def _launch(q, k, v, o, cu_q, cu_k, key_start, key_end, strides, seq_q, seq_k, b
     if block_m is None and not _interpreted():
         grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch * kv_heads)  # noqa: E731
         _flash_fwd_tuned[grid](*args, **flags)
-        return
-    if block_m is None:
-        block_m = block_n = INTERPRETER_BLOCK
-    grid = (triton.cdiv(rows, block_m), batch * kv_heads)
-    extra = {}
-    if num_warps is not None:
-        extra["num_warps"] = num_warps
-    if num_stages is not None:
-        extra["num_stages"] = num_stages
-    _flash_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **extra)
+    else:
+        if block_m is None:
+            block_m = block_n = INTERPRETER_BLOCK
+        grid = (triton.cdiv(rows, block_m), batch * kv_heads)
+        extra = {}
+        if num_warps is not None:
+            extra["num_warps"] = num_warps
+        if num_stages is not None:
+            extra["num_stages"] = num_stages
+        _flash_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **extra)
+    if not o_is_view:
+        _grouped(o, kv_heads).copy_(op.view(*packed_shape[:2], -1, groups, d))
+    return o
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -256,12 +346,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     key_end: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Dense form. q [batch, seq_q, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim];
-    key_start, key_end int32 [batch]: row b sees only keys key_start[b] <= j < key_end[b]
-    (left padding before, finished tokens after; both or neither) -> [batch, seq_q, heads, head_dim].
+    key_start, key_end int [batch]: row b sees only keys key_start[b] <= j < key_end[b]
+    (left padding before, finished tokens after; both or neither; key_start >= 0)
+    -> [batch, seq_q, heads, head_dim].
 
-    ``block_m``/``block_n`` fix the tile (BLOCK_M query rows × BLOCK_N keys); left as None
-    they are autotuned on a GPU and set to 64 in the interpreter. A tile's
-    BLOCK_M rows hold query positions × the query heads of one KV head (interleaved).
+    ``block_m``/``block_n`` fix the tile (BLOCK_M query rows × BLOCK_N keys, powers of two
+    >= 16); left as None they are autotuned on a GPU and set to 64 in the interpreter. A
+    tile's BLOCK_M rows hold query positions × the query heads of one KV head (interleaved).
     """
     _check_inputs(q, k, v, block_m, block_n)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
@@ -277,16 +368,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         for name, t in (("key_start", key_start), ("key_end", key_end)):
             if t.shape != (batch,):
                 raise ValueError(f"{name} must be [batch] = [{batch}]; got {tuple(t.shape)}")
+        if batch and int(key_start.min()) < 0:
+            raise ValueError(f"key_start={key_start.tolist()} has a negative entry; a key range "
+                             "starts at key 0 or later")
         key_start = key_start.to(device=q.device, dtype=torch.int32).contiguous()
         key_end = key_end.to(device=q.device, dtype=torch.int32).contiguous()
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
     if seq_q == 0 or batch == 0:
-        return o
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
-    _launch(q, k, v, o, None, None, key_start, key_end, strides, seq_q, seq_k, batch, seq_q, causal,
-            False, softmax_scale, block_m, block_n, num_warps, num_stages)
-    return o
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    return _launch(q, k, v, None, None, key_start, key_end, k_strides, seq_q, seq_k, batch, seq_q,
+                   causal, False, softmax_scale, block_m, block_n, num_warps, num_stages)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -298,7 +389,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            ) -> torch.Tensor:
     """Packed form, as ``flash_attn_varlen_func``: q [total_q, heads, head_dim],
     k/v [total_k, kv_heads, head_dim], cu_seqlens_q/k int32 [batch + 1] (prefix sums of
-    the lengths), max_seqlen_q/k the longest lengths -> [total_q, heads, head_dim].
+    the lengths), max_seqlen_q/k the longest lengths (at least the real ones)
+    -> [total_q, heads, head_dim].
     """
     _check_inputs(q, k, v, block_m, block_n)
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1] \
@@ -310,19 +402,23 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"({cu_seqlens_k.numel()}) must both have batch + 1 >= 2 entries")
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} must be >= 0")
+    # the grid covers max_seqlen_q rows per sequence: a smaller value would silently drop
+    # the queries past it (one host read of the offsets, as the caller's checks do)
+    longest_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if longest_q > int(max_seqlen_q):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is smaller than the longest query "
+                         f"sequence in cu_seqlens_q ({longest_q})")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     batch = cu_q.numel() - 1
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0 or int(max_seqlen_q) == 0:
-        return o.zero_()
-    strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-               0, v.stride(0), v.stride(1), 0, o.stride(0), o.stride(1))
-    _launch(q, k, v, o, cu_q, cu_k, None, None, strides, int(max_seqlen_q), int(max_seqlen_k), batch,
-            int(max_seqlen_q), causal, True, softmax_scale, block_m, block_n, num_warps,
-            num_stages)
-    return o
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    k_strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    o = _launch(q[None], k, v, cu_q, cu_k, None, None, k_strides, int(max_seqlen_q),
+                int(max_seqlen_k), batch, int(max_seqlen_q), causal, True, softmax_scale,
+                block_m, block_n, num_warps, num_stages)
+    return o[0]
 
 
 def compile_ahead(arch: int = 90, dtype: str = "bf16", head_dim: int = 64, causal: bool = True,

@@ -1,7 +1,10 @@
 """ModelConfig: the few numbers that define a Llama-family decoder, read from a HF config.json.
 
 Understands llama, mistral, mixtral and qwen2 configs (old ``rope_theta`` and new
-``rope_parameters`` spellings). Taught in notebook 00.
+``rope_parameters`` spellings). A config that asks for something the decoder does not
+implement (scaled RoPE, sliding-window attention, another activation, MLP or output
+projection biases) is refused with an error naming the field, rather than loaded into a
+model that would silently compute a different function. Taught in notebook 00.
 """
 from __future__ import annotations
 
@@ -10,6 +13,44 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # two names of x·sigmoid(x), SwiGLU's gate
+
+
+def _rope_type(spec) -> str:
+    """The RoPE variant a ``rope_scaling`` / ``rope_parameters`` dict asks for."""
+    if not isinstance(spec, dict):
+        return repr(spec)
+    return str(spec.get("rope_type", spec.get("type", "default")))
+
+
+def check_implemented(d: dict) -> None:
+    """Refuse HF config fields that change the model's function in ways llmlab does not
+    implement; the ValueError names the field, its value and what is supported."""
+    for name in ("rope_scaling", "rope_parameters"):
+        spec = d.get(name)
+        if spec and _rope_type(spec) != "default":
+            raise ValueError(f"{name}={spec!r}: RoPE type {_rope_type(spec)!r} is not "
+                             "implemented (llmlab's rotary embedding is plain RoPE, "
+                             "rope_type 'default')")
+    window, context = d.get("sliding_window"), d.get("max_position_embeddings", 2048)
+    # qwen2 writes a window but switches it off with use_sliding_window=False
+    if window is not None and d.get("use_sliding_window") is not False and window < context:
+        raise ValueError(f"sliding_window={window} is smaller than the context "
+                         f"(max_position_embeddings={context}): sliding-window attention is "
+                         "not implemented; llmlab's attention sees the whole context")
+    act = d.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} is not implemented; allowed: "
+                         f"{list(SUPPORTED_ACTIVATIONS)} (the SwiGLU MLP's gate)")
+    if d.get("mlp_bias"):
+        raise ValueError(f"mlp_bias={d['mlp_bias']!r} is not implemented: llmlab's MLP "
+                         "projections have no bias")
+    if d.get("attention_bias") and d.get("model_type", "llama") != "qwen2":
+        # Llama's attention_bias adds a bias to o_proj too; llmlab has biases on q, k, v
+        # only, which is exactly Qwen2's layout.
+        raise ValueError(f"attention_bias={d['attention_bias']!r} is not implemented for "
+                         f"model_type={d.get('model_type', 'llama')!r} (it also biases the "
+                         "output projection); only qwen2's q/k/v biases are")
 
 
 @dataclass(frozen=True)
@@ -53,6 +94,7 @@ class ModelConfig:
         mt = d.get("model_type", "llama")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type={mt!r} is not supported; allowed: {SUPPORTED_MODEL_TYPES}")
+        check_implemented(d)
         rope_theta = d.get("rope_theta")
         if rope_theta is None:
             rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)

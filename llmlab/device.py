@@ -52,6 +52,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def has_triton() -> bool:
+    """True when ``import triton`` works here. Triton ships wheels for Linux only, so on
+    macOS or Windows the notebooks' Triton cells print a one-line note and skip."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+TRITON_MISSING = ("skipped: Triton is not installed on this machine (its wheels are for Linux); "
+                  "the rest of the notebook runs without it.")
+
+
 def triton_interpreted() -> bool:
     """True when Triton kernels run in the (CPU) interpreter rather than compiled."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -44,6 +44,6 @@ def hf_smollm2():
 def hf_model(name):
     from transformers import AutoModelForCausalLM
 
-    from llmlab.models.registry import resolve
+    from llmlab.models import resolve
 
     return AutoModelForCausalLM.from_pretrained(str(resolve(name)), dtype=torch.float32).eval()

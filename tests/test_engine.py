@@ -5,11 +5,9 @@ import pytest
 import torch
 
 import llmlab
-from llmlab.attention.paged import paged_attention_reference
+from llmlab.cache.packed import PackedPagedCache
 from llmlab.cache.paged import PagedKVCache
 from llmlab.engine import LLM, SamplingParams
-from llmlab.engine.runner import (PackedPagedAttention, block_diagonal_attention,
-                                  block_diagonal_mask, gather_attention)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -32,42 +30,6 @@ def prompts_of(lengths, seed=0):
 def alone(model, tok, ids, n):
     return llmlab.generate(model, tok, [ids], max_new_tokens=n, kv_cache="contiguous",
                            ignore_eos=True)[0].token_ids
-
-
-@pytest.mark.parametrize("kv_heads", [3, 1])
-def test_block_diagonal_attention_equals_each_prompt_alone(kv_heads):
-    torch.manual_seed(0)
-    lens = torch.tensor([5, 1, 17, 8])       # a one-token prompt among them
-    cu = torch.cat([torch.zeros(1), lens.cumsum(0)]).to(torch.int32)
-    q = torch.randn(31, 6, 16)
-    k, v = torch.randn(31, kv_heads, 16), torch.randn(31, kv_heads, 16)
-    expected = torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-            is_causal=True, enable_gqa=kv_heads != 6).transpose(0, 1)
-        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    for out in (block_diagonal_attention(q, k, v, cu),
-                block_diagonal_attention(q, k, v, None, mask=block_diagonal_mask(cu))):
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("kv_heads", [3, 1, 6])
-def test_gather_attention_matches_paged_reference(kv_heads):
-    g = torch.Generator().manual_seed(0)
-    kp, vp = torch.randn(2, 12, 4, kv_heads, 8, generator=g)      # 12 blocks of 4 slots
-    table = torch.tensor([[5, 2, 9, 0], [7, 1, 11, 3]])
-    lens = torch.tensor([13, 6], dtype=torch.int32)      # not multiples of the block size
-    q = torch.randn(2, 1, 6, 8, generator=g)
-    ref = paged_attention_reference(q, kp, vp, lens, table)
-    got = gather_attention(q, kp, vp, table, lens)
-    assert (got - ref).abs().max() < 1e-5
-    q3 = torch.randn(1, 3, 6, 8, generator=g)            # 3 new tokens on a cached prefix
-    ref3 = paged_attention_reference(q3, kp, vp, lens[:1], table[:1])
-    got3 = gather_attention(q3, kp, vp, table[:1], lens[:1])
-    assert (got3 - ref3).abs().max() < 1e-5
-    # a table cut to the row's own blocks (13 tokens need 4 blocks of 4; 6 need 2)
-    got2 = gather_attention(q[1:], kp, vp, table[1:, :2], lens[1:])
-    assert (got2 - ref[1:]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("decode_group", [8, 1])
@@ -98,17 +60,16 @@ def test_packed_step_matches_padded_step(tiny, decode_group):
                 bm.append_slot(sid, t)
         with torch.inference_mode():
             if layout == "packed":
-                packed = PackedPagedAttention(cache)
-                packed.decode_group = decode_group
+                packed = PackedPagedCache(cache, decode_group=decode_group)
                 pos = packed.prepare([0, 1, 2], [1, 4, 1])
-                assert len(packed.batch.pool_groups) == 1 + (2 if decode_group == 1 else 1)
+                assert len(packed.step.pool_groups) == 1 + (2 if decode_group == 1 else 1)
                 flat = torch.tensor([t for sid in (0, 1, 2) for t in new[sid]])[None]
                 x = tiny.embed_tokens(flat)
                 for layer in tiny.layers:
                     x = layer(x, pos, packed)
-                last = packed.batch.cu_seqlens[1:].long() - 1
+                last = packed.step.cu_seqlens[1:].long() - 1
                 logits[layout] = tiny.lm_head(tiny.norm(x[0, last]))
-                assert packed.batch.decode == [0, 2] and packed.batch.continued == [1]
+                assert packed.step.decode == [0, 2] and packed.step.continued == [1]
             else:
                 pos = cache.prepare([0, 1, 2], [1, 4, 1])
                 x = torch.zeros((3, 4), dtype=torch.long)
@@ -154,14 +115,14 @@ def test_tiny_block_budget_preempts_and_completes_everything(tiny, tiny_tok):
     assert tight.engine.cache.manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("decode_attention", ["paged", "paged_triton"])
-def test_paged_backends_serve_decodes_and_chunks(tiny, tiny_tok, decode_attention):
+@pytest.mark.parametrize("paged_attention", ["paged", "paged_triton"])
+def test_paged_backends_serve_decodes_and_chunks(tiny, tiny_tok, paged_attention):
     """The engine's GPU default reads the pool through the paged kernels (interpreted
     here): decodes in two length groups, and a prompt continued chunk by chunk."""
     ids = prompts_of([9, 3, 6], seed=7)
     llm = LLM(tiny, tiny_tok, max_num_seqs=3, block_size=4, num_blocks=32,
               max_num_batched_tokens=5, enable_chunked_prefill=True,
-              decode_attention=decode_attention)
+              paged_attention=paged_attention)
     llm.engine.runner.packed.decode_group = 2
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                         use_tqdm=False)

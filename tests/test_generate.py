@@ -2,7 +2,10 @@ import pytest
 import torch
 
 import llmlab
-from llmlab.engine.sampler import filter_logits, sample
+from llmlab.engine import SamplingParams
+from llmlab.parallel.generate import greedy_generate
+from llmlab.prompts import check_token_ids
+from llmlab.sampling import check_sampling_args, filter_logits, sample
 
 from .conftest import FRANCE
 
@@ -63,3 +66,68 @@ def test_bad_generation_arguments(tokenizer):
     long = "word " * (model.config.max_position_embeddings + 10)
     with pytest.raises(ValueError, match="does not fit the model's context of 2048 tokens"):
         llmlab.generate(model, tokenizer, long, chat=False)
+
+
+def test_top_k_minus_one_means_no_filter_everywhere():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.equal(filter_logits(logits, top_k=-1), logits)
+    assert SamplingParams(top_k=-1).top_k is None
+    assert SamplingParams(top_p=None).top_p == 1.0       # None is "no filter" in both APIs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llmlab.load_model("tiny-llama")
+
+
+BAD_SAMPLING = [
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature=inf"),
+    (dict(temperature=-1), "temperature=-1"),
+    (dict(temperature="0.5"), "temperature='0.5'"),
+    (dict(top_k=0), "top_k=0 must be an int >= 1, or None / -1"),
+    (dict(top_k=2.5), "top_k=2.5"),
+    (dict(top_k=True), "top_k=True"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), "top_p=nan"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(seed="7"), "seed='7' must be an int or None"),
+]
+
+
+@pytest.mark.parametrize("kw, match", BAD_SAMPLING)
+def test_generate_and_sampling_params_refuse_the_same_values(kw, match, tiny, tokenizer):
+    full = {"temperature": 1.0, **kw}       # sampling on, so every argument is read
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**full)
+    with pytest.raises(ValueError, match=match):
+        llmlab.generate(tiny, tokenizer, "hi", max_new_tokens=2, **full)
+
+
+def test_each_api_names_its_own_token_limit(tiny, tokenizer):
+    with pytest.raises(ValueError, match="max_tokens=0 must be an int >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens=1.5 must be an int >= 1"):
+        llmlab.generate(tiny, tokenizer, "hi", max_new_tokens=1.5)
+    check_sampling_args(0.0, -1, None, 1, 3)                    # all allowed values
+    check_sampling_args(0.7, 5, 1.0)
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([1, 2, 49152], "token id 49152 at position 2 is out of range for a vocabulary of "
+                    r"49152 tokens \(allowed: 0..49151\)"),
+    ([-1, 5], "token id -1 at position 0 is out of range"),
+    ([3, 4.0], "token id 4.0 at position 1 is not an int"),
+])
+def test_token_ids_are_range_checked_on_every_simple_path(ids, match, tiny, tokenizer):
+    with pytest.raises(ValueError, match=match):
+        check_token_ids(ids, tiny.config.vocab_size)
+    with pytest.raises(ValueError, match=match):
+        llmlab.generate(tiny, tokenizer, [ids], max_new_tokens=2)
+    if all(isinstance(t, int) for t in ids):                  # the tensor-parallel loop
+        with pytest.raises(ValueError, match=match):
+            greedy_generate(tiny, ids, 2)
+    # the model stays usable, and in-range ids of every integer type pass
+    good = [1, torch.tensor(2), 49151]
+    check_token_ids(good, tiny.config.vocab_size)
+    assert len(llmlab.generate(tiny, tokenizer, [[1, 2, 49151]], max_new_tokens=2)[0].token_ids) == 2

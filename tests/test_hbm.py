@@ -2,11 +2,12 @@
 import pytest
 
 from llmlab.attention.flash import FULL_BLOCK, MASKED_BLOCK, block_schedule
-from llmlab.profiling.flops import attention_bytes
+from llmlab.profiling.flops import attention_bytes, attention_flops
 from llmlab.profiling.hbm import (A100, CHIPS, H100, H200, chip, kv_elements_loaded,
-                                  paper_block_sizes, roofline_seconds, standard_attention_hbm,
+                                  paper_block_sizes, q_rows_loaded, roofline_seconds,
+                                  standard_attention_hbm,
                                   tile_footprint, tiled_attention_hbm,
-                                  tiled_attention_hbm_for_sram, attention_flops)
+                                  tiled_attention_hbm_for_sram)
 
 
 def test_standard_counts_by_hand_and_agrees_with_flops_module():
@@ -30,19 +31,48 @@ def test_standard_is_quadratic_tiled_is_linear_in_blocks():
     assert t64 == 2 * t128
 
 
-def test_tiled_beats_standard_and_scales_as_n2d2_over_m():
+def test_fa1_counts_by_hand():
+    # N=4, d=2, Br=Bc=2: two K/V blocks, each pass reads all 4 rows of Q, O, ℓ, m
+    t = tiled_attention_hbm(4, 2, 2, 2, order="fa1", bytes_per_el=1)
+    assert t.read == 2 * 4 * 2 + 2 * 4 * (2 * 2 + 2)      # K, V once; Q, O, ℓ, m twice
+    assert t.write == (4 * 2 + 2 * 4) + 2 * 4 * (2 + 2)   # initial O, ℓ, m; O, ℓ, m twice
+    # FA1 passes are counted in K/V blocks (Bc), FA2 passes in Q blocks (Br)
+    assert tiled_attention_hbm(512, 64, 16, 64, order="fa1") == \
+        tiled_attention_hbm(512, 64, 128, 64, order="fa1")
+    assert tiled_attention_hbm(512, 64, 64, 16) == tiled_attention_hbm(512, 64, 64, 128)
+    with pytest.raises(ValueError, match=r"order='fa3' is not one of \('fa1', 'fa2'\)"):
+        tiled_attention_hbm(16, 8, 4, 4, order="fa3")
+
+
+def test_fa1_traffic_keeps_falling_as_sram_grows():
+    """Theorem 2 of the FlashAttention paper: Θ(N²d²/M), falling for every M, also past
+    M = 4d² where the paper's Br stops growing (Br = min(⌈M/4d⌉, d))."""
     n, d = 8192, 64
     std = standard_attention_hbm(n, d).total
-    small = tiled_attention_hbm_for_sram(n, d, 8 * 1024)
-    big = tiled_attention_hbm_for_sram(n, d, 32 * 1024)
-    assert big.total < std < small.total   # tiles smaller than d/2 rows move more than naive
-    # 4× the SRAM -> Br grows 4× -> 4× less K/V traffic (Q in and O out stay N·d)
-    io = 2 * n * d * 2
-    assert (small.total - io) == 4 * (big.total - io)
+    sizes_kib = [8, 16, 32, 48, 64, 128, 164, 228]
+    traffic = [tiled_attention_hbm_for_sram(n, d, kib * 1024).total for kib in sizes_kib]
+    assert all(a > b for a, b in zip(traffic, traffic[1:]))
     assert paper_block_sizes(d, 8 * 1024) == (16, 16)
-    # the paper caps Br at d: past M = 4d² more SRAM only widens Bc
-    assert paper_block_sizes(d, 48 * 1024) == (64, 96)
-    assert tiled_attention_hbm_for_sram(n, d, 48 * 1024).total == big.total
+    assert paper_block_sizes(d, 48 * 1024) == (64, 96)     # Br capped at d, Bc still grows
+    # past the cap the traffic still falls: 32 KiB -> 64 KiB halves the passes
+    io = 2 * n * d * 2 + (n * d + 2 * n) * 2               # K, V read once; O, ℓ, m initialized
+    t32, t64 = (tiled_attention_hbm_for_sram(n, d, kib * 1024).total - io for kib in (32, 64))
+    assert t32 == 2 * t64
+    # ∝ 1/M: 4× the SRAM, 4× fewer passes
+    t8, t32 = (tiled_attention_hbm_for_sram(n, d, kib * 1024).total - io for kib in (8, 32))
+    assert t8 == 4 * t32
+    # tiles smaller than the FA1 break-even move more than the naive algorithm
+    assert traffic[0] > std > traffic[2]
+
+
+def test_fa2_order_scales_with_block_q():
+    n, d = 8192, 64
+    std = standard_attention_hbm(n, d).total
+    small = tiled_attention_hbm(n, d, 16, 64)
+    big = tiled_attention_hbm(n, d, 128, 64)
+    assert big.total < std < small.total
+    io = 2 * n * d * 2
+    assert (small.total - io) == 8 * (big.total - io)
 
 
 def test_causal_loads_only_blocks_the_schedule_visits():
@@ -56,6 +86,11 @@ def test_causal_loads_only_blocks_the_schedule_visits():
     assert kv_elements_loaded(n, bq, bk, causal=True) == visited_keys
     full = kv_elements_loaded(n, bq, bk, causal=False)
     assert full == 7 * n and visited_keys < 0.65 * full
+    # FA1 order: per key block, the rows of every Q block with a visited tile
+    visited_rows = sum(min(bq, n - i * bq) for i, row in enumerate(grid)
+                       for state in row.tolist() if state in (FULL_BLOCK, MASKED_BLOCK))
+    assert q_rows_loaded(n, bq, bk, causal=True) == visited_rows
+    assert q_rows_loaded(n, bq, bk, causal=False) == 13 * n
 
 
 def test_tile_footprint_and_fit():
@@ -78,6 +113,6 @@ def test_presets_and_errors():
 
 def test_roofline_time():
     t = standard_attention_hbm(4096, 64, heads=16)
-    f = attention_flops(4096, 64, heads=16)
+    f = attention_flops(1, 16, 4096, 4096, 64)
     assert roofline_seconds(t, f, H100) == pytest.approx(max(t.total / 3.35e12, f / 989e12))
-    assert attention_flops(64, 8, causal=True) * 2 == attention_flops(64, 8)
+    assert attention_flops(1, 1, 64, 64, 8, causal=True) == 4 * 8 * 64 * 65 // 2

@@ -175,7 +175,12 @@ def test_bad_cache_names_and_misuse(tokenizer):
             model(torch.zeros(1, 3, dtype=torch.long), positions=torch.arange(3)[None], cache=cache)
     with pytest.raises(ValueError, match="attention_mask has shape"):
         kv_caches.create("contiguous", model, 2, 4).begin(2, torch.ones(1, 2))
-    with pytest.raises(ValueError, match="max_len=9999 is past the model's context"):
-        ContiguousKVCache.for_model(model, 1, 9999)
+    # slots count left pads too, so a cache may be longer than the context; positions may not
+    ctx = model.config.max_position_embeddings
+    roomy = ContiguousKVCache.for_model(model, 1, ctx + 1)
+    with pytest.raises(ValueError, match=f"position {ctx} is past the model's context of {ctx}"):
+        with torch.inference_mode():
+            model(torch.zeros(1, ctx + 1, dtype=torch.long), positions=roomy.begin(ctx + 1),
+                  cache=roomy)
     with pytest.raises(ValueError, match="batch=0 must be a positive int"):
         ContiguousKVCache(2, 0, 2, 8, 4)

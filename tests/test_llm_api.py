@@ -47,8 +47,8 @@ def test_llm_rejects_bad_arguments(tiny_llm):
         LLM(tiny_llm.model, tiny_llm.tokenizer, block_size=12)
     with pytest.raises(ValueError, match="max_model_len=99999"):
         LLM(tiny_llm.model, tiny_llm.tokenizer, max_model_len=99999)
-    with pytest.raises(ValueError, match="decode_attention='fast'"):
-        LLM(tiny_llm.model, tiny_llm.tokenizer, decode_attention="fast")
+    with pytest.raises(ValueError, match=r"paged_attention='fast'; allowed: \['paged', "):
+        LLM(tiny_llm.model, tiny_llm.tokenizer, paged_attention="fast")
     with pytest.raises(ValueError, match="one SamplingParams or a list of 2"):
         tiny_llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="a prompt must be a string"):
@@ -119,3 +119,21 @@ def test_smollm2_greedy_equals_generating_alone(smollm2, tokenizer):
         assert o.outputs[0].token_ids == ref.token_ids, p
         assert o.outputs[0].text == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
     assert llm.stats.padding_tokens == 0 and len(llm.stats.steps) == max(lens)
+
+
+def test_llm_takes_a_hand_written_schedule_function(tiny_llm):
+    from llmlab.engine.scheduler import Scheduler
+
+    calls = []
+
+    def schedule(self, now):
+        calls.append(now)
+        return Scheduler._schedule_continuous(self, now)
+
+    llm = LLM(tiny_llm.model, tiny_llm.tokenizer, scheduler=schedule, max_num_seqs=4,
+              block_size=4, num_blocks=64)
+    prompts = ["one two three", "four", "five six"]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    assert len(calls) == len(llm.stats.steps) and llm.engine.config.policy == "continuous"

@@ -5,9 +5,10 @@ import torch
 import llmlab
 import llmlab.attention as A
 from llmlab.attention import naive_attention
-from llmlab.attention.paged import gather_kv, paged_attention_reference
+from llmlab.attention.paged import gather_kv, paged_attention_reference, paged_attention_sdpa
 from llmlab.cache.block_manager import NoFreeBlocksError
-from llmlab.cache.paged import PagedKVCache, generate_paged
+from llmlab.cache.paged import PagedKVCache
+from llmlab.generate import generate_paged
 
 from .conftest import FRANCE
 
@@ -48,11 +49,31 @@ def test_reference_matches_dense_attention(block_size, seq_q, causal):
         assert (out[i:i + 1] - ref).abs().max().item() < 1e-5
 
 
-def test_rows_that_see_no_key_are_zero():
+@pytest.mark.parametrize("kv_heads", [3, 1, 6])
+def test_paged_sdpa_matches_the_reference(kv_heads):
+    """Whole blocks + one SDPA call give the reference's output: decodes, new tokens on a
+    cached prefix, a table cut to the row's own blocks, and -1 past a row's blocks."""
+    g = torch.Generator().manual_seed(0)
+    kp, vp = torch.randn(2, 12, 4, kv_heads, 8, generator=g)      # 12 blocks of 4 slots
+    table = torch.tensor([[5, 2, 9, 0], [7, 1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([13, 6], dtype=torch.int32)      # not multiples of the block size
+    q = torch.randn(2, 1, 6, 8, generator=g)
+    ref = paged_attention_reference(q, kp, vp, lens, table)
+    assert (paged_attention_sdpa(q, kp, vp, lens, table) - ref).abs().max() < 1e-5
+    q3 = torch.randn(1, 3, 6, 8, generator=g)            # 3 new tokens on a cached prefix
+    ref3 = paged_attention_reference(q3, kp, vp, lens[:1], table[:1])
+    assert (paged_attention_sdpa(q3, kp, vp, lens[:1], table[:1]) - ref3).abs().max() < 1e-5
+    got2 = paged_attention_sdpa(q[1:], kp, vp, lens[1:], table[1:, :2])
+    assert (got2 - ref[1:]).abs().max() < 1e-5
+    assert A.get("paged_sdpa").with_kvcache is paged_attention_sdpa
+
+
+@pytest.mark.parametrize("fn", [paged_attention_reference, paged_attention_sdpa])
+def test_rows_that_see_no_key_are_zero(fn):
     k_cache, v_cache, table, _, _ = make_paged([2, 6], 4, 1, 8)
     seqlens = torch.tensor([2, 6], dtype=torch.int32)
     q = torch.randn(2, 4, 2, 8)
-    out = paged_attention_reference(q, k_cache, v_cache, seqlens, table)
+    out = fn(q, k_cache, v_cache, seqlens, table)
     assert torch.all(out[0, :2] == 0) and out[0, 2:].abs().sum() > 0   # left pads of row 0
     assert not torch.isnan(out).any()
 
@@ -147,6 +168,69 @@ def test_fork_copy_on_write_in_the_model(tiny):
             assert (logits[row] - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "flash_triton", "paged"])
+def test_packed_prefill_equals_each_prompt_alone(tiny, attention):
+    """The engine's packed prefill: several prompts in one row (their attention through the
+    layer backend's varlen form, or through the pool for a paged layer backend) give each
+    prompt's logits as a forward over that prompt alone."""
+    from llmlab.cache.packed import PackedPagedCache
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 2, 14, 5)]
+    cache = PagedKVCache.for_model(tiny, num_blocks=16, block_size=4)
+    for sid, p in enumerate(prompts):
+        cache.manager.allocate(sid, p)
+    packed = PackedPagedCache(cache)
+    before = tiny.attention
+    tiny.set_attention(attention)
+    try:
+        with torch.inference_mode():
+            pos = packed.prepare(list(range(4)), [len(p) for p in prompts])
+            assert packed.step.fresh == [0, 1, 2, 3] and packed.step.fresh_max == 14
+            x = tiny.embed_tokens(torch.tensor([t for p in prompts for t in p])[None])
+            for layer in tiny.layers:
+                x = layer(x, pos, packed)
+            got = tiny.lm_head(tiny.norm(x[0]))
+            tiny.set_attention("naive")
+            for i, p in enumerate(prompts):
+                ref = tiny(torch.tensor([p]))[0]
+                s, e = packed.step.cu[i], packed.step.cu[i + 1]
+                assert (got[s:e] - ref).abs().max().item() < 1e-4, (attention, i)
+    finally:
+        tiny.set_attention(before)
+
+
+def test_generate_paged_frees_every_block_when_a_step_fails(tiny, tokenizer):
+    """An exception or an interrupt in the prefill or in a decode step reaches the caller;
+    the cache holds no block afterwards and its prefix cache holds no unwritten K/V, so the
+    next call gives the tokens of a fresh cache."""
+    prompt = list(range(1000, 1030))                       # 30 tokens: 3 full blocks of 8
+    want = generate_paged(tiny, tokenizer, [prompt], max_new_tokens=5, ignore_eos=True,
+                          block_size=8)[0].token_ids
+    cache = PagedKVCache.for_model(tiny, num_blocks=16, block_size=8)
+    for error, fail_at in ((RuntimeError, 1), (KeyboardInterrupt, 1), (RuntimeError, 3)):
+        calls = []
+
+        def fail(module, args, _error=error, _at=fail_at):
+            calls.append(1)
+            if len(calls) == _at:
+                raise _error("stop here")
+
+        handle = tiny.layers[1].register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(error, match="stop here"):
+                generate_paged(tiny, tokenizer, [prompt], max_new_tokens=5, ignore_eos=True,
+                               cache=cache)
+        finally:
+            handle.remove()
+        assert cache.manager.num_used_blocks == 0, (error, fail_at)
+        cache.manager.check_invariants()
+        again = generate_paged(tiny, tokenizer, [prompt], max_new_tokens=5, ignore_eos=True,
+                               cache=cache)[0]
+        assert again.token_ids == want, (error, fail_at)
+        assert cache.manager.num_used_blocks == 0
+
+
 def test_generate_paged_reuses_a_cached_prefix(tiny, tokenizer):
     system = list(range(1000, 1040))                     # 40 shared tokens
     a, b = system + [5, 6, 7], system + [8, 9]
@@ -194,7 +278,7 @@ def test_viz_functions_draw(tmp_path):
     assert shots[3].tables["C"][:2] == shots[3].tables["D"][:2]      # shared after fork
     assert shots[3].tables["C"][2] != shots[3].tables["D"][2]        # copied on write
     pviz.plot_block_map_story(shots).savefig(tmp_path / "story.png")
-    reqs = [waste.Request(20, 30), waste.Request(50, 10), waste.Request(5, 60)]
+    reqs = [waste.TraceRequest(20, 30), waste.TraceRequest(50, 10), waste.TraceRequest(5, 60)]
     sweep = waste.block_size_sweep(reqs, 512, block_sizes=(4, 16, 64))
     fig = pviz.plot_block_size_tradeoff(16, sweep, {4: 2.0, 16: 1.0, 64: 0.8}, "cpu")
     assert "block 16" in fig.axes[0].get_title()

@@ -5,7 +5,7 @@ import torch
 
 import llmlab
 from llmlab.attention.paged import paged_attention_reference, paged_attention_triton
-from llmlab.cache.paged import generate_paged
+from llmlab.generate import generate_paged
 
 from .test_paged import make_paged
 

@@ -8,10 +8,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmlab.config import ModelConfig  # noqa: E402
-from llmlab.exercises import nb07  # noqa: E402
 from llmlab.models.registry import model_dir  # noqa: E402
 from llmlab.parallel.comm import (A100_NVLINK, A100_PCIE, LLAMA2_70B, allreduce_per_token,  # noqa: E402
-                                  ring_allreduce_s, tp_decode_model)
+                                  fit_latency_bandwidth, ring_allreduce_s, tp_decode_model)
 from llmlab.viz.tp import plot_allreduce, plot_time_per_token, plot_tp_scaling, plot_tp_split  # noqa: E402
 
 SMOL = ModelConfig.from_file(model_dir("smollm2-135m"))
@@ -52,21 +51,19 @@ def test_figures_and_the_widget_callback():
     plt.close(fig)
     with pytest.raises(ValueError, match="allowed: \\[1, 2, 4, 8\\]"):
         plot_tp_scaling(tp=3)
-    plt.close(plot_allreduce({2: [{"bytes": 256, "us": 100.0}, {"bytes": 4096, "us": 150.0}]}, 2304, "cpu"))
-    plt.close(plot_time_per_token(["a", "b"], [10.0, 20.0], "cpu"))
+    rows = [{"bytes": 256, "us": 100.0, "us_q1": 90.0, "us_q3": 130.0},
+            {"bytes": 4096, "us": 150.0, "us_q1": 140.0, "us_q3": 160.0}]
+    fig = plot_allreduce({2: rows}, 2304, "cpu", fit={2: (97.0, 0.08)})
+    assert fig.axes[0].get_ylim()[0] == 0 and "fit: 97 µs" in fig.axes[0].get_legend_handles_labels()[1][1]
+    plt.close(fig)
+    fig = plot_time_per_token(["a", "b"], [[0.010, 0.011, 0.012], [0.020, 0.025, 0.021]], "cpu")
+    assert "median of 3" in fig.axes[0].texts[0].get_text() and "11 ms" in fig.axes[0].texts[0].get_text()
+    plt.close(fig)
 
 
-def test_exercise_checks_reject_wrong_and_accept_right(capsys):
-    assert nb07.check_column_shard(None) is False
-    assert nb07.check_column_shard(lambda w, r, tp: w[:, r::tp]) is False
-    assert "Wrong" in capsys.readouterr().out
-    assert nb07.check_column_shard(lambda w, r, tp: torch.chunk(w, tp, dim=0)[r]) is True
-    assert nb07.check_allreduce_bytes(...) is False
-    assert nb07.check_allreduce_bytes(2 * 30 * 576 * 2) is False
-    assert "embedding" in capsys.readouterr().out
-    assert nb07.check_allreduce_bytes(61 * 576 * 2) is True
-    assert nb07.check_valid_degrees(None) is False
-    assert nb07.check_valid_degrees([1, 2, 4, 8, 16]) is False
-    assert nb07.check_valid_degrees([8, 4, 2, 1]) is True
-    assert "Right" in capsys.readouterr().out
-    assert LLAMA2_70B.num_kv_heads == 8
+def test_fit_latency_bandwidth_recovers_a_line():
+    rows = [{"bytes": b, "us": 50.0 + b / 2000.0} for b in (256, 4096, 65536, 1 << 20)]
+    latency, gbps = fit_latency_bandwidth(rows)
+    assert latency == pytest.approx(50.0, rel=1e-6) and gbps == pytest.approx(2.0, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_latency_bandwidth(rows[:1])

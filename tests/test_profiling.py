@@ -5,6 +5,7 @@ import torch
 
 import llmlab.attention as A
 from llmlab.config import ModelConfig
+from llmlab.profiling.flops import attention_pairs
 from llmlab.profiling import (RequestMetrics, Timer, attention_flops, linear_bytes, linear_flops,
                               model_flops_per_token, peak_memory, summarize, time_fn, weight_bytes)
 
@@ -46,6 +47,24 @@ def test_flop_and_byte_counters():
     q = torch.randn(1, 1, 8, 4)
     macs = q.shape[2] * q.shape[2] * q.shape[3] * 2  # QKᵀ and PV
     assert attention_flops(1, 1, 8, 8, 4) == 2 * macs
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(8, 8), (3, 8), (1, 8), (8, 3), (5, 0)])
+def test_causal_pairs_are_the_unmasked_entries_of_the_bottom_right_mask(q_len, kv_len):
+    # query i sees keys j <= i + kv_len - q_len (the last query sees every key)
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    assert attention_pairs(q_len, kv_len, causal=True) == int(allowed.sum())
+    assert attention_pairs(q_len, kv_len) == q_len * kv_len
+    assert attention_flops(2, 3, q_len, kv_len, 4, causal=True) == 4 * 2 * 3 * 4 * int(allowed.sum())
+
+
+def test_prefill_and_continued_prefill_agree_on_attention_work():
+    # a prompt of 8 in one pass = 3 tokens, then 5 more over the 3 cached: same pairs
+    whole = attention_pairs(8, 8, causal=True)
+    assert whole == attention_pairs(3, 3, causal=True) + attention_pairs(5, 8, causal=True)
+    assert whole == 8 * 9 // 2 > 8 * 8 // 2       # the diagonal is counted
+    with pytest.raises(ValueError, match="q_len=-1"):
+        attention_pairs(-1, 4)
 
 
 def test_model_counters_on_smollm2_config():

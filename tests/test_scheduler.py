@@ -3,7 +3,7 @@ preemption by recompute."""
 import pytest
 
 from llmlab.cache.block_manager import BlockManager
-from llmlab.engine.scheduler import EMPTY, HELD, Scheduler, SchedulerConfig
+from llmlab.engine.scheduler import EMPTY, HELD, Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
 
 
@@ -118,3 +118,68 @@ def test_preemption_frees_blocks_and_requeues_at_the_front():
         fake_step(sched, out)
     assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in seqs)
     assert bm.num_free_blocks == 4
+
+
+def run_to_end(sched, limit=100):
+    """Schedule and fake-step until nothing is left; returns each step's (seq, num_new)."""
+    log = []
+    for _ in range(limit):
+        out = sched.schedule()
+        if out.is_empty:
+            return log
+        log.append([(s.seq.seq_id, s.num_new) for s in out.scheduled])
+        fake_step(sched, out)
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_a_schedule_function_replaces_the_continuous_step():
+    calls = []
+
+    def same_as_builtin(self, now):
+        calls.append(now)
+        return Scheduler._schedule_continuous(self, now)
+
+    def one_admission_per_step(self, now):
+        """A hand-written policy: decodes first, then at most one waiting prompt."""
+        out = SchedulerOutput(packed=True)
+        self._schedule_decodes(out)
+        if self.waiting and not out.preempted and self.bm.can_allocate(
+                self.waiting[0].all_token_ids):
+            self._admit(self.waiting[0], out)
+        return out
+
+    logs = {}
+    for name, fn in (("default", None), ("same", same_as_builtin),
+                     ("one", one_admission_per_step)):
+        bm = BlockManager(64, 4, enable_prefix_caching=False)
+        sched = Scheduler(SchedulerConfig("continuous", max_num_seqs=4), bm, schedule_fn=fn)
+        for s in make(3, max_tokens=3):
+            sched.add(s)
+        logs[name] = run_to_end(sched)
+        assert bm.num_free_blocks == 64
+    assert logs["same"] == logs["default"] and len(calls) == len(logs["same"]) + 1
+    assert logs["default"][0] == [(0, 5), (1, 5), (2, 5)]
+    assert logs["one"][:2] == [[(0, 5)], [(0, 1), (1, 5)]]
+    with pytest.raises(ValueError, match="schedule_fn must be a function"):
+        Scheduler(SchedulerConfig(), BlockManager(4, 4), schedule_fn="fcfs")
+
+
+def test_reset_sends_everything_back_to_waiting_without_blocks():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig("continuous", max_num_seqs=2), bm)
+    seqs = make(3)
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched, sched.schedule())
+    sched.schedule()                   # slots reserved for a step that then "fails":
+    assert sched.in_prefill(seqs[0])   # it now looks half-way through a prompt, forever
+    sched.reset([seqs[1], seqs[0], seqs[2]])
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2]      # running first, oldest first
+    assert not sched.running and bm.num_free_blocks == 16 and bm.seq_ids() == []
+    assert all(s.num_computed == 0 and s.status is SequenceStatus.WAITING and s.slot is None
+               for s in seqs)
+    assert sched.occupancy(2) == [EMPTY, EMPTY]
+    assert seqs[0].output_token_ids == [7]                     # tokens kept: recomputed later
+    log = run_to_end(sched)
+    assert log[0] == [(0, 6), (1, 6)]                          # prompt + the token it had
+    assert all(s.finished for s in seqs)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmlab.cache.waste import TRACES_DIR, load_trace, trace_names
+from llmlab.traces import TRACES_DIR, load_trace, trace_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +58,32 @@ def test_generator_is_deterministic(tokenizer, monkeypatch):
     a, b = mt.make(spec, writer), mt.make(spec, writer)
     assert a == b and len(a) == 5
     assert all(abs(r["prompt_tokens"] - r["target_prompt_tokens"]) <= 4 for r in a)
+
+
+def test_one_loader_by_name_or_path_with_scaling_and_tokens(tokenizer):
+    from llmlab.bench import serve
+    from llmlab.cache import waste
+
+    assert waste.load_trace is load_trace and serve.load_trace is load_trace
+    by_name = load_trace("cpu", 5)
+    by_path = load_trace(TRACES_DIR / "cpu.jsonl", 5, tokenizer=tokenizer)
+    assert by_name == by_path and len(by_name) == 5      # token ids are not compared
+    assert by_name[0].prompt_token_ids is None
+    assert by_path[0].prompt_token_ids == tokenizer(by_path[0].prompt,
+                                                    add_special_tokens=False)["input_ids"]
+    scaled = load_trace("cpu", 5, output_scale=0.25, max_output=10)
+    for full, small in zip(by_name, scaled):
+        assert small.output_tokens == min(10, max(1, round(full.output_tokens * 0.25)))
+        assert small.prompt_tokens == full.prompt_tokens and small.id == full.id
+    assert max(r.output_tokens for r in by_name) > 10     # the cap really applied
+
+
+def test_bad_trace_arguments():
+    with pytest.raises(ValueError, match=r"unknown trace 'nope'; allowed: \[.*'cpu'"):
+        load_trace("nope")
+    with pytest.raises(ValueError, match="limit=0 must be an int >= 1"):
+        load_trace("cpu", 0)
+    with pytest.raises(ValueError, match="output_scale=0 must be > 0"):
+        load_trace("cpu", output_scale=0)
+    with pytest.raises(ValueError, match="max_output=0 must be >= 1"):
+        load_trace("cpu", max_output=0)

@@ -5,7 +5,7 @@ import torch
 import llmlab
 from llmlab.layers import moe_stats as S
 from llmlab.layers.moe import moe_layers, set_dispatch
-from llmlab.models import registry
+from llmlab.models import registry, resolve
 from llmlab.models.upcycle import upcycle
 
 
@@ -16,7 +16,7 @@ def moe8():
 
 def test_registry_builds_it_from_smollm2_files(moe8, smollm2):
     assert registry.MODELS["smollm2-135m-moe8"].kind == "derived"
-    assert registry.resolve("smollm2-135m-moe8") == registry.resolve("smollm2-135m")
+    assert resolve("smollm2-135m-moe8") == resolve("smollm2-135m")
     c = moe8.config
     assert (c.num_experts, c.num_experts_per_tok, c.num_layers) == (8, 2, 30)
     assert c.num_parameters() > 5 * smollm2.config.num_parameters()  # ~692M reachable

@@ -1,4 +1,4 @@
-"""Notebook 03's figures, block-size explorer and exercise checks."""
+"""Notebook 03's figures and block-size explorer."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,12 +7,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from llmlab.attention.flash import online_softmax_update  # noqa: E402
-from llmlab.exercises import nb03  # noqa: E402
+from llmlab.profiling.flops import attention_flops  # noqa: E402
 from llmlab.profiling.hbm import (H100, standard_attention_hbm, tile_footprint,  # noqa: E402
                                   tiled_attention_hbm)
-from llmlab.viz.flash import (flash_explorer, plot_block_schedule, plot_peak_memory,  # noqa: E402
-                              plot_traffic_model)
+from llmlab.viz.flash import (flash_explorer, gpu_attention_model,  # noqa: E402
+                              plot_block_schedule, plot_gpu_model, plot_peak_memory, plot_times, plot_traffic_model,
+                              plot_traffic_vs_sram)
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +47,7 @@ def test_explorer_numbers_and_measurement():
     assert r.tiled_bytes == tiled_attention_hbm(2048, 64, 32, 16, causal=True).total
     expected_n = 2048 if torch.cuda.is_available() else 40
     assert r.measured_n == expected_n and r.measured_s > 0
+    assert r.measured_spread[0] <= r.measured_s <= r.measured_spread[1]
     assert len(r.figure.axes) == 3
     big = flash_explorer(block_q=256, block_k=256, head_dim=128, n=1024, measure=False)
     assert not big.fits and big.measured_s is None
@@ -55,33 +56,40 @@ def test_explorer_numbers_and_measurement():
         flash_explorer(block_k=24, measure=False)
 
 
-def test_check_rescale_accepts_right_and_rejects_wrong(capsys):
-    assert nb03.check_rescale(online_softmax_update) is True
-
-    def forgot_rescale(m, l, acc, s, v):
-        m_new = torch.maximum(m, s.amax(-1))
-        p = torch.exp(s - m_new[:, None])
-        return m_new, l + p.sum(-1), acc + p @ v
-
-    def placeholder(m, l, acc, s, v):
-        raise NotImplementedError
-
-    assert nb03.check_rescale(forgot_rescale) is False
-    assert "exp(m - m_new)" in capsys.readouterr().out
-    assert nb03.check_rescale(placeholder) is False
-    assert nb03.check_rescale(lambda *a: None) is False
-    assert "not yet" in capsys.readouterr().out
+def test_block_schedule_axes_count_positions():
+    fig, _ = plot_block_schedule(40, 24, 8, 16, causal=True)
+    ax = fig.axes[0]
+    assert "position" in ax.get_xlabel() and "Bc=16" in ax.get_xlabel()
+    assert "position" in ax.get_ylabel() and "Br=8" in ax.get_ylabel()
+    assert ax.get_xlim() == (0.0, 24.0)      # ticks run over key positions, not block indices
 
 
-def test_check_block_and_tiles_answers(capsys):
-    right = nb03.smallest_block_q_answer()
-    assert right == 32
-    assert nb03.check_smallest_block_q(32) is True
-    assert nb03.check_smallest_block_q(16) is False
-    assert nb03.check_smallest_block_q(64) is False
-    assert nb03.check_smallest_block_q(None) is False
-    assert nb03.check_skipped_tiles(28) is True
-    assert nb03.check_skipped_tiles(36) is False
-    assert nb03.check_skipped_tiles(...) is False
-    out = capsys.readouterr().out
-    assert out.count("✅") == 2 and out.count("❌") == 5
+def test_times_plot_draws_median_and_spread():
+    runs = {"a": [[1e-3, 2e-3, 3e-3, 2e-3, 2e-3], [4e-3, 5e-3, 9e-3, 5e-3, 5e-3]]}
+    fig, medians = plot_times([256, 512], runs)
+    assert medians == {"a": [2e-3, 5e-3]}
+    ax = fig.axes[0]
+    assert "median of 5 runs" in ax.get_title()
+    bars = ax.containers[0]                  # the errorbar container: line, caps, bar lines
+    segments = bars.lines[2][0].get_segments()
+    assert [tuple(seg[:, 1]) for seg in segments] == [(1.0, 3.0), (4.0, 9.0)]   # ms, min..max
+
+
+def test_traffic_vs_sram_falls_for_fa1_and_is_flat_for_fa2():
+    fig, data = plot_traffic_vs_sram(8192, 64, [8, 32, 128, 228])
+    fa1 = data["FlashAttention-1"]
+    assert all(a > b for a, b in zip(fa1, fa1[1:]))
+    assert len(set(data["FlashAttention-2 Br=128"])) == 1
+    assert "a model" in fig.axes[0].get_title()
+
+
+def test_gpu_model_is_labelled_and_flash_wins_at_length():
+    ns = [1024, 8192, 32768]
+    fig, m = plot_gpu_model(ns, d=64, heads=32, spec="H100")
+    assert fig.axes[0].get_title().startswith("MODEL, not measured: H100")
+    assert m == gpu_attention_model(ns, d=64, heads=32, spec="H100")
+    flops = attention_flops(1, 32, 8192, 8192, 64, causal=True)
+    std = standard_attention_hbm(8192, 64, heads=32)
+    assert m["standard"][1] == pytest.approx(max(std.total / H100.hbm_bandwidth,
+                                                 flops / H100.peak_bf16_flops))
+    assert all(s > 2 * f for s, f in zip(m["standard"], m["flash"]))

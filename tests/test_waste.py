@@ -1,12 +1,12 @@
 """The KV-memory waste study: hand-checked small cases and the targets on the trace."""
 import pytest
 
-from llmlab.cache.waste import (Request, beam_search_memory, block_size_sweep, load_trace,
+from llmlab.cache.waste import (TraceRequest, beam_search_memory, block_size_sweep, load_trace,
                                 parallel_sampling_memory, simulate)
 
 
 def test_single_request_accounting_by_hand():
-    req = [Request(prompt_tokens=3, output_tokens=2)]
+    req = [TraceRequest(prompt_tokens=3, output_tokens=2)]
     # paged, block 4: step 1 holds 4 slots (3 prompt + 1 new), step 2 needs a second block
     r = simulate(req, "paged", budget_tokens=16, block_size=4)
     assert r.steps == 2 and r.finished == 1
@@ -14,7 +14,7 @@ def test_single_request_accounting_by_hand():
     assert r.used == pytest.approx((4 + 5) / 2)
     assert r.internal == pytest.approx((0 + 3) / 2) and r.reservation == 0
     # a 2-token prompt: step 1 holds 4 slots, uses 3, and the 4th is filled in step 2
-    r2 = simulate([Request(2, 2)], "paged", budget_tokens=16, block_size=4)
+    r2 = simulate([TraceRequest(2, 2)], "paged", budget_tokens=16, block_size=4)
     assert r2.reservation == pytest.approx((1 + 0) / 2) and r2.internal == 0
     assert r2.idle == pytest.approx(12)
     # max_len with a 6-token output cap: 3 + 6 = 9 slots reserved for the whole life
@@ -25,7 +25,7 @@ def test_single_request_accounting_by_hand():
 
 
 def test_static_batch_holds_memory_until_the_longest_finishes():
-    reqs = [Request(2, 1), Request(2, 6)]
+    reqs = [TraceRequest(2, 1), TraceRequest(2, 6)]
     r = simulate(reqs, "batch_max", budget_tokens=64)
     assert r.steps == 6 and r.peak_running == 2
     # both reserve 8 slots for 6 steps; the short one is finished after step 1
@@ -34,7 +34,7 @@ def test_static_batch_holds_memory_until_the_longest_finishes():
 
 
 def test_contiguous_pool_fragments_and_paging_does_not():
-    reqs = [Request(10, 2), Request(10, 20), Request(10, 2), Request(30, 5)]
+    reqs = [TraceRequest(10, 2), TraceRequest(10, 20), TraceRequest(10, 2), TraceRequest(30, 5)]
     r = simulate(reqs, "max_len", budget_tokens=90, max_tokens=20)
     assert r.external > 0          # the 40-slot hole layout blocks the 50-slot request
     p = simulate(reqs, "paged", budget_tokens=90, block_size=8)
@@ -42,18 +42,18 @@ def test_contiguous_pool_fragments_and_paging_does_not():
 
 
 def test_preemption_when_blocks_run_out_loses_no_request():
-    reqs = [Request(8, 40) for _ in range(6)]
+    reqs = [TraceRequest(8, 40) for _ in range(6)]
     r = simulate(reqs, "paged", budget_tokens=128, block_size=8)
     assert r.preemptions > 0 and r.finished == 6
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
-        simulate([Request(1, 1)], "fifo", 16)
+        simulate([TraceRequest(1, 1)], "fifo", 16)
     with pytest.raises(ValueError, match="block_size=3"):
-        simulate([Request(1, 1)], "paged", 16, block_size=3)
+        simulate([TraceRequest(1, 1)], "paged", 16, block_size=3)
     with pytest.raises(ValueError, match="cannot hold a request"):
-        simulate([Request(100, 1)], "paged", 16)
+        simulate([TraceRequest(100, 1)], "paged", 16)
     with pytest.raises(ValueError, match="unknown trace 'nope'"):
         load_trace("nope")
 

@@ -13,8 +13,9 @@ names and shapes:
 ``causal`` is aligned bottom-right, as in FlashAttention 2.1+: query i of seq_q may see
 key j when j <= i + (seq_k - seq_q), so a single decode query sees the whole cache.
 
-Backends may also provide a varlen form (packed sequences, ``cu_seqlens``) and a
-with-KV-cache form (``cache_seqlens``, ``block_table``); see :class:`Backend`.
+Every backend also has a varlen form (packed sequences, ``cu_seqlens``; the serving
+engine's prefill calls it), and the paged ones a with-KV-cache form (``cache_seqlens``,
+``block_table``); see :func:`register` and :class:`Backend`.
 
 >>> import llmlab.attention as A
 >>> A.available()[:2]
@@ -25,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .reference import causal_mask, expand_kv, naive_attention, sdpa_attention
+from .reference import (causal_mask, expand_kv, naive_attention, sdpa_attention,
+                        varlen_by_sequence)
 
 
 @dataclass(frozen=True)
@@ -33,17 +35,32 @@ class Backend:
     name: str
     forward: Callable  # the dense/padded form above
     description: str = ""
-    varlen: Callable | None = None  # flash_attn_varlen_func-shaped, if provided
+    varlen: Callable | None = None  # flash_attn_varlen_func-shaped (register fills one in)
     with_kvcache: Callable | None = None  # flash_attn_with_kvcache-shaped, if provided
-    needs_gpu: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
 
 
-def register(name: str, forward: Callable, **kw) -> Backend:
-    """Add (or replace) a backend under ``name``."""
-    backend = Backend(name=name, forward=forward, **kw)
+def register(name: str, forward: Callable, *, description: str = "",
+             varlen: Callable | None = None, with_kvcache: Callable | None = None) -> Backend:
+    """Add (or replace) the backend ``name``; every model layer can then use it by name.
+
+    ``forward(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None)`` is the
+    dense form (shapes in the module docstring); ``register("mine", my_attention)`` is
+    enough for ``model.set_attention("mine")``, the KV caches and the serving engine.
+    ``varlen`` is the packed form the engine's prefill calls; without one, ``forward``
+    runs on one sequence at a time (:func:`~llmlab.attention.reference.varlen_by_sequence`).
+    ``with_kvcache`` reads K/V through a block table (the paged backends of notebook 04).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"backend name {name!r} must be a non-empty string")
+    if not callable(forward):
+        raise ValueError(f"forward for backend {name!r} must be callable; got "
+                         f"{type(forward).__name__}")
+    backend = Backend(name=name, forward=forward, description=description,
+                      varlen=varlen if varlen is not None else varlen_by_sequence(forward),
+                      with_kvcache=with_kvcache)
     _REGISTRY[name] = backend
     return backend
 
@@ -60,6 +77,12 @@ def get(name: str) -> Backend:
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; allowed: {list(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def paged_backends() -> list[str]:
+    """Names of the backends that read K/V through a block table (a with-KV-cache form)."""
+    _load_optional()
+    return [name for name, b in _REGISTRY.items() if b.with_kvcache is not None]
 
 
 register("naive", naive_attention,
@@ -87,5 +110,5 @@ def _load_optional() -> None:
                 raise
 
 
-__all__ = ["Backend", "register", "available", "get", "naive_attention", "sdpa_attention",
-           "causal_mask", "expand_kv"]
+__all__ = ["Backend", "register", "available", "get", "paged_backends", "naive_attention",
+           "sdpa_attention", "causal_mask", "expand_kv", "varlen_by_sequence"]

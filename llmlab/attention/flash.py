@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from . import register
-from .reference import _check
+from .reference import _check, attend_each_sequence, check_varlen
 
 CAUSAL_SKIPPED, FULL_BLOCK, MASKED_BLOCK = 0, 1, 2
 
@@ -150,27 +150,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return out.reshape(b, h, seq_q, d).transpose(1, 2).to(q.dtype)
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("varlen q, k, v must be [total_tokens, heads, head_dim]; got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} "
-                         f"v={tuple(v.shape)} (query heads must be a multiple of kv heads)")
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
-                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an int32 tensor [batch + 1]; got "
-                             f"{cu.dtype} {tuple(cu.shape)}")
-        c = cu.tolist()
-        if c[0] != 0 or c[-1] != total or any(a > b for a, b in zip(c, c[1:])):
-            raise ValueError(f"{name}={c} must start at 0, never decrease and end at the "
-                             f"number of tokens ({total})")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k "
-                         f"has {cu_seqlens_k.numel()}; both must be batch + 1")
-
-
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, *,
@@ -182,16 +161,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]; ``causal`` aligns each pair
     bottom-right. Runs :func:`flash_attention` on each sequence.
     """
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    out = torch.zeros_like(q)
-    for i in range(len(cq) - 1):
-        if cq[i + 1] == cq[i]:
-            continue
-        out[cq[i]:cq[i + 1]] = flash_attention(
-            q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]], v[None, ck[i]:ck[i + 1]],
-            causal=causal, softmax_scale=softmax_scale, block_q=block_q, block_k=block_k)[0]
-    return out
+    return attend_each_sequence(flash_attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                causal=causal, softmax_scale=softmax_scale,
+                                block_q=block_q, block_k=block_k)
 
 
 # -- the Triton kernel behind the backend signature ----------------------------------
@@ -254,7 +226,7 @@ def flash_triton_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The varlen form of ``flash_triton`` (see :func:`flash_attention_varlen` for shapes)."""
     from llmlab.kernels.flash_attn import flash_attn_varlen_func
 
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
 

@@ -16,21 +16,33 @@ Both have the with-KV-cache form of FlashAttention's ``flash_attn_with_kvcache``
 cached prefix has ``seq_q`` new tokens that see the prefix and, causally, each other.
 With ragged new-token counts, left-pad the queries; rows that see no key output zeros.
 
-``paged`` gathers K/V through the block table into a dense tensor and runs the textbook
-formula (the reference); ``paged_triton`` reads the blocks in place
-(:mod:`llmlab.kernels.paged_attn`). Their dense ``forward`` raises a ValueError: they
-only make sense with a paged cache (:class:`llmlab.cache.paged.PagedKVCache`), which
-writes the new K/V into the pool and then calls ``with_kvcache``.
+Three backends have this form:
 
-Taught in notebook 04.
+``paged``
+    the reference: gathers K/V slot by slot through the block table into a dense
+    tensor and runs the textbook formula in float32.
+``paged_sdpa``
+    the fast path on a CPU: copies whole blocks with one ``index_select`` per pool and
+    runs torch's fused SDPA once (the serving engine's default without a GPU).
+``paged_triton``
+    a Triton kernel that reads the blocks in place (:mod:`llmlab.kernels.paged_attn`).
+
+Their dense ``forward`` raises a ValueError: they only make sense with a paged cache
+(:class:`llmlab.cache.paged.PagedKVCache`, or the engine's packed
+:class:`llmlab.cache.packed.PackedPagedCache`), which writes the new K/V into the pool
+and then calls ``with_kvcache``. ``llmlab.attention.paged_backends()`` lists them.
+
+Taught in notebook 04 (the serving engine of notebook 05 uses them too).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import register
+from .reference import group_queries, ungroup_queries
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,39 +87,82 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache.reshape(-1, *cache.shape[2:])[slots]
 
 
+def paged_mask(cache_seqlens: torch.Tensor, seq_q: int, length: int,
+               causal: bool = True) -> torch.Tensor:
+    """Bool [batch, seq_q, length]: which of the first ``length`` keys each new query sees.
+
+    Row b holds ``cache_seqlens[b]`` keys, the last ``seq_q`` of them the new tokens
+    themselves; keys past the row's length are hidden, and with ``causal`` (bottom-right)
+    so are keys after each query's own position.
+    """
+    lens = cache_seqlens.long()
+    key_pos = torch.arange(length, device=lens.device)
+    allowed = key_pos[None, None, :] < lens[:, None, None]
+    if causal:
+        q_pos = lens[:, None] - seq_q + torch.arange(seq_q, device=lens.device)  # [b, sq]
+        allowed = allowed & (key_pos[None, None, :] <= q_pos[:, :, None])
+    return allowed.expand(lens.shape[0], seq_q, length)
+
+
+def _grouped_mask(allowed: torch.Tensor, group: int) -> torch.Tensor:
+    """[b, seq_q, L] -> [b, 1, group * seq_q, L], matching :func:`group_queries`' rows."""
+    batch, seq_q, length = allowed.shape
+    if seq_q == 1:
+        return allowed[:, None]            # one row per head in the group: broadcast
+    return allowed[:, None, None].expand(batch, 1, group, seq_q, length) \
+        .reshape(batch, 1, group * seq_q, length)
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
                               softmax_scale: float | None = None,
                               causal: bool = True) -> torch.Tensor:
     """Gather K/V through the block table, then softmax(Q Kᵀ · scale + mask) V in float32.
 
-    Shapes in the module docstring. The mask hides keys past each sequence's length and,
-    with ``causal``, keys after each query's own position (bottom-right aligned).
+    Shapes in the module docstring. The mask (:func:`paged_mask`) hides keys past each
+    sequence's length and, with ``causal``, keys after each query's own position.
     """
     check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     length = max(int(cache_seqlens.max()), 1) if batch else 1
     k = gather_kv(k_cache, block_table, length).transpose(1, 2).float()   # [b, kv, L, d]
     v = gather_kv(v_cache, block_table, length).transpose(1, 2).float()
-    # the query heads of one KV head side by side: [b, kv, group * seq_q, d]
-    qg = q.float().view(batch, seq_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(batch, kv_heads, group * seq_q, head_dim)
+    qg = group_queries(q.float(), kv_heads)                                # [b, kv, g*sq, d]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                # [b, kv, g*sq, L]
-    lens = cache_seqlens.to(q.device).long()
-    key_pos = torch.arange(length, device=q.device)
-    allowed = (key_pos[None, None, :] < lens[:, None, None]).expand(batch, seq_q, length)
-    if causal:
-        q_pos = lens[:, None] - seq_q + torch.arange(seq_q, device=q.device)  # [b, sq]
-        allowed = allowed & (key_pos[None, None, :] <= q_pos[:, :, None])    # [b, sq, L]
-    allowed = allowed[:, None, None].expand(batch, 1, group, seq_q, length)
-    scores = scores.masked_fill(~allowed.reshape(batch, 1, group * seq_q, length), float("-inf"))
+    allowed = paged_mask(cache_seqlens.to(q.device), seq_q, length, causal)
+    scores = scores.masked_fill(~_grouped_mask(allowed, heads // kv_heads), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)     # rows with no key -> zeros
-    out = torch.matmul(probs, v)                                         # [b, kv, g*sq, d]
-    out = out.view(batch, kv_heads, group, seq_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, seq_q, heads, head_dim).to(q.dtype)
+    return ungroup_queries(torch.matmul(probs, v), seq_q).to(q.dtype)
+
+
+def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+                         softmax_scale: float | None = None,
+                         causal: bool = True) -> torch.Tensor:
+    """Copy the needed blocks out of the pool whole, then one fused SDPA call.
+
+    Shapes in the module docstring. Only the first ``ceil(max(cache_seqlens) /
+    block_size)`` columns of ``block_table`` are read (entries past a row's own blocks
+    may be anything, -1 included: their keys are masked). One ``index_select`` per pool
+    copies ``blocks · block_size`` keys per row, contiguous blocks rather than slot by
+    slot; grouped query heads become extra query rows (:func:`group_queries`), so no K/V
+    is repeated per query head. Rows that see no key are zeros.
+    """
+    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+    batch, seq_q, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = max(-(-int(cache_seqlens.max()) // block_size), 1) if batch else 1
+    table = block_table[:, :width].long().clamp_min(0).reshape(-1)
+    length = width * block_size
+    k = k_cache.index_select(0, table).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, table).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    allowed = paged_mask(cache_seqlens.to(q.device), seq_q, length, causal)
+    out = F.scaled_dot_product_attention(group_queries(q, kv_heads), k, v,
+                                         attn_mask=_grouped_mask(allowed, heads // kv_heads),
+                                         scale=softmax_scale)
+    return ungroup_queries(out, seq_q).nan_to_num(0.0)    # a row with no key: NaN -> zeros
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,7 +181,7 @@ def _needs_paged_cache(name: str):
     def forward(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None):
         raise ValueError(f"attention backend {name!r} reads K/V through a block table and needs "
                          "a paged KV cache (llmlab.cache.paged.PagedKVCache, e.g. "
-                         "llmlab.cache.paged.generate_paged); for dense attention use "
+                         "llmlab.generate(..., kv_cache='paged')); for dense attention use "
                          "'naive' or 'sdpa'")
     forward.__name__ = f"{name}_forward"
     return forward
@@ -134,8 +189,10 @@ def _needs_paged_cache(name: str):
 
 register("paged", _needs_paged_cache("paged"), with_kvcache=paged_attention_reference,
          description="PyTorch reference: gather K/V through the block table, then softmax(QKᵀ)V")
+register("paged_sdpa", _needs_paged_cache("paged_sdpa"), with_kvcache=paged_attention_sdpa,
+         description="copy whole blocks with one index_select, then one fused SDPA call")
 register("paged_triton", _needs_paged_cache("paged_triton"), with_kvcache=paged_attention_triton,
          description="Triton kernel reading K/V blocks in place through the block table")
 
-__all__ = ["paged_attention_reference", "paged_attention_triton", "gather_kv",
-           "check_paged_args"]
+__all__ = ["paged_attention_reference", "paged_attention_sdpa", "paged_attention_triton",
+           "gather_kv", "paged_mask", "check_paged_args"]

@@ -86,7 +86,7 @@ def run_gpu(quick: bool) -> dict:
     from llmlab.attention.flash import flash_attention
     from llmlab.kernels.flash_attn import flash_attn_func
     from llmlab.profiling import peak_memory, time_fn
-    from llmlab.profiling.hbm import attention_flops
+    from llmlab.profiling.flops import attention_flops
 
     dev = "cuda"
     peak = measured_bf16_peak(dev)
@@ -101,7 +101,7 @@ def run_gpu(quick: bool) -> dict:
             batch = max(1, tokens // n)
             q, k, v = _qkv(batch, n, heads, d, torch.bfloat16, dev, seed=n + d)
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA's layout
-            flops = attention_flops(n, d, batch=batch, heads=heads, causal=True)
+            flops = attention_flops(batch, heads, n, n, d, causal=True)
 
             def sdpa_flash():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

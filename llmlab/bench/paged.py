@@ -11,14 +11,14 @@ attention measured in the same run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from ..attention import naive_attention
 from ..attention.paged import paged_attention_reference, paged_attention_triton
-from ..cache.waste import block_size_sweep, load_trace, simulate
-from ..device import sync
+from ..cache.waste import block_size_sweep, simulate
+from ..profiling.timer import time_fn
+from ..traces import load_trace
 from ._common import header, save, table
 
 BACKENDS = {"paged": paged_attention_reference, "paged_triton": paged_attention_triton}
@@ -42,26 +42,12 @@ def paged_decode_inputs(block_size: int, batch: int = 8, context: int = 512, hea
             lens.to(**to), table.to(**to))
 
 
-def time_fn(fn, repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (after ``warmup``)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 def time_paged_decode(block_size: int, backend: str = "paged", repeats: int = 5, **kw) -> float:
     """Median seconds of one paged decode attention (see :func:`paged_decode_inputs`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {list(BACKENDS)}")
     args = paged_decode_inputs(block_size, **kw)
-    return time_fn(lambda: BACKENDS[backend](*args), repeats)
+    return time_fn(lambda: BACKENDS[backend](*args), repeats, device=args[0].device).median_s
 
 
 def time_dense_decode(repeats: int = 5, **kw) -> float:
@@ -70,7 +56,8 @@ def time_dense_decode(repeats: int = 5, **kw) -> float:
     from ..attention.paged import gather_kv
 
     kd, vd = gather_kv(k, table, int(lens[0])), gather_kv(v, table, int(lens[0]))
-    return time_fn(lambda: naive_attention(q, kd, vd, causal=True), repeats)
+    return time_fn(lambda: naive_attention(q, kd, vd, causal=True), repeats,
+                   device=q.device).median_s
 
 
 def main(argv: list[str]) -> int:

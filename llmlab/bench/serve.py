@@ -19,41 +19,21 @@ Taught in notebook 05.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ..models.registry import model_dir, repo_root
+from ..models.registry import model_dir
 from ..profiling.metrics import RequestMetrics, summarize
+from ..traces import TRACES_DIR, TraceRequest, load_trace
 from ._common import header, save, table
 
 HF_NAME = "HF transformers, padded static"
 CONT = "llmlab continuous"
-
-
-def load_trace(path: str | Path, limit: int | None = None, max_output: int | None = None,
-               tokenizer=None, output_scale: float = 1.0) -> list[dict]:
-    """Requests of a JSONL trace: {"id", "arrival_s", "prompt", "prompt_tokens",
-    "output_tokens"}; with a tokenizer each also gets ``prompt_token_ids`` (no special
-    tokens, no chat template). ``output_scale`` shrinks every ``output_tokens`` (at least
-    1 each), keeping their spread; ``max_output`` caps them."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"trace {str(path)!r} does not exist; traces in data/traces: "
-                         f"{sorted(p.name for p in (repo_root() / 'data' / 'traces').glob('*.jsonl'))}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = rows[:limit] if limit else rows
-    for r in rows:
-        if output_scale != 1.0:
-            r["output_tokens"] = max(1, round(r["output_tokens"] * output_scale))
-        if max_output:
-            r["output_tokens"] = min(r["output_tokens"], max_output)
-        if tokenizer is not None:
-            r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
-    return rows
+STATIC = "llmlab static"
 
 
 class _StepClock:
@@ -74,7 +54,7 @@ class _StepClock:
 
 
 @torch.inference_mode()
-def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
+def run_hf(hf_model, tokenizer, trace: list[TraceRequest], batch_size: int) -> dict:
     """HF generate in padded static batches, in trace order; per-request metrics."""
     import copy
 
@@ -94,9 +74,9 @@ def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
     t0 = time.perf_counter()
     for start in range(0, len(trace), batch_size):
         batch = trace[start:start + batch_size]
-        enc = tokenizer.pad({"input_ids": [r["prompt_token_ids"] for r in batch]},
+        enc = tokenizer.pad({"input_ids": [r.prompt_token_ids for r in batch]},
                             return_tensors="pt").to(hf_model.device)
-        longest = max(r["output_tokens"] for r in batch)
+        longest = max(r.output_tokens for r in batch)
         clock = Clock()
         gen_cfg.max_new_tokens, gen_cfg.pad_token_id = longest, pad
         out = hf_model.generate(**enc, generation_config=gen_cfg, streamer=clock)
@@ -104,21 +84,22 @@ def run_hf(hf_model, tokenizer, trace: list[dict], batch_size: int) -> dict:
         # the padded prompt once, then one position per row for every further token
         positions += len(batch) * (enc["input_ids"].shape[1] + longest - 1)
         for row, r in enumerate(batch):
-            n = r["output_tokens"]
+            n = r.output_tokens
             tokens.append(gen[row, :n].tolist())
-            metrics.append(RequestMetrics(len(r["prompt_token_ids"]), n,
+            metrics.append(RequestMetrics(len(r.prompt_token_ids), n,
                                           clock.times[0] - t0, clock.times[n - 1] - t0))
     wall = time.perf_counter() - t0
     return {"metrics": metrics, "tokens": tokens, "wall_s": wall, "positions": positions}
 
 
-def run_llmlab(llm, trace: list[dict]) -> dict:
+def run_llmlab(llm, trace: list[TraceRequest]) -> dict:
+    """The trace through an llmlab ``LLM`` in one ``generate`` call; per-request metrics."""
     from ..engine import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=r["output_tokens"], ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=r.output_tokens, ignore_eos=True)
               for r in trace]
     t0 = time.perf_counter()
-    outs = llm.generate([r["prompt_token_ids"] for r in trace], params, use_tqdm=False)
+    outs = llm.generate([r.prompt_token_ids for r in trace], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     bad = [o.error for o in outs if o.error]
     if bad:
@@ -134,9 +115,11 @@ def _row(name: str, res: dict) -> dict:
             "TPOT mean ms": s["tpot_mean_s"] * 1e3, "TPOT p90 ms": s["tpot_p90_s"] * 1e3}
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with --gpu and --quick applied and every value checked."""
     ap = argparse.ArgumentParser(prog="python -m llmlab.bench serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(repo_root() / "data" / "traces" / "cpu.jsonl"))
+    ap.add_argument("--trace", default=str(TRACES_DIR / "cpu.jsonl"),
+                    help="a trace name (data/traces) or the path of a JSONL trace")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
     ap.add_argument("--max-num-seqs", type=int, default=64,
@@ -159,13 +142,10 @@ def main(argv: list[str]) -> int:
                     help="16 requests, 8 seats, outputs scaled by 1/4")
     ap.add_argument("--gpu", action="store_true", help="GPU-sized run (needs CUDA)")
     args = ap.parse_args(argv)
-    device = "cpu"
-    if args.gpu:
-        if not torch.cuda.is_available():
-            print("serve --gpu needs CUDA; nothing to do on this machine")
-            return 0
-        device = "cuda"
-        args.trace = str(repo_root() / "data" / "traces" / "sharegpt_like.jsonl")
+    args.device = "cpu"
+    if args.gpu and torch.cuda.is_available():
+        args.device = "cuda"
+        args.trace = str(TRACES_DIR / "sharegpt_like.jsonl")
         args.requests, args.max_num_seqs, args.max_output = 200, 64, 256
     if args.quick:
         args.requests, args.max_num_seqs, args.output_scale = 16, 8, 0.25
@@ -178,63 +158,49 @@ def main(argv: list[str]) -> int:
     for name in ("max_num_seqs", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return args
 
-    import llmlab
-    from ..engine import LLM
 
-    header(f"serve: {Path(args.trace).name}, {args.model}, max_num_seqs={args.max_num_seqs}")
-    tok = llmlab.load_tokenizer(args.model)
-    trace = load_trace(args.trace, args.requests or None, args.max_output, tok, args.output_scale)
-    outs = [r["output_tokens"] for r in trace]
-    ins = [len(r["prompt_token_ids"]) for r in trace]
+def print_trace(trace: list[TraceRequest]) -> None:
+    """One line: how many requests, their prompt and output lengths, how they are served."""
+    outs = [r.output_tokens for r in trace]
+    ins = [len(r.prompt_token_ids) for r in trace]
     print(f"   {len(trace)} requests; prompt tokens {min(ins)}..{max(ins)} (mean {sum(ins) / len(ins):.0f});"
           f" output tokens {min(outs)}..{max(outs)} (mean {sum(outs) / len(outs):.0f}); "
           f"torch threads {torch.get_num_threads()}; greedy, EOS ignored; all arrive at t=0")
-    model = llmlab.load_model(args.model, attention="sdpa", device=device)
-    hf = None
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir(args.model)),
-                                                  dtype=torch.float32).to(device).eval()
-    chunked = f"llmlab continuous, chunked prefill ({args.chunk_budget} tokens/step)"
-    systems = ([HF_NAME] if hf is not None else []) + ["llmlab static", CONT] \
-        + ([chunked] if args.chunk_budget else [])
 
-    def serve(name: str, requests: list[dict]) -> dict:
-        if name == HF_NAME:
-            return run_hf(hf, tok, requests, args.max_num_seqs)
-        kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk_budget} \
-            if name == chunked else {}
-        llm = LLM(model, tok, scheduler="static" if name == "llmlab static" else "continuous",
-                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, **kw)
-        return run_llmlab(llm, requests)
-
-    warm = [dict(r, output_tokens=min(4, r["output_tokens"])) for r in trace[:args.max_num_seqs]]
-    for name in systems:          # first calls pay one-time setup (allocator, GEMM kernels)
+def serve_rounds(serve, systems: list[str], trace: list[TraceRequest], warm: list[TraceRequest],
+                 rounds: int) -> dict[str, list[dict]]:
+    """Each system serves ``warm`` once (one-time setup), then ``trace`` ``rounds`` times;
+    the order of the systems rotates every round so that drift in machine load is shared."""
+    for name in systems:
         serve(name, warm)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name in systems[r % len(systems):] + systems[:r % len(systems)]:
             runs[name].append(serve(name, trace))
-    del hf
+    return runs
+
+
+def report_rounds(runs: dict[str, list[dict]], systems: list[str]) -> dict[str, list[float]]:
+    """Print each round's wall time and continuous's per-round speedups; -> those ratios."""
     round_ratios: dict[str, list[float]] = {}
-    if args.rounds > 1:
-        print(f"   {args.rounds} rounds (each system's order rotates); wall s per round:")
-        for name in systems:
-            print(f"     {name}: " + ", ".join(f"{x['wall_s']:.1f}" for x in runs[name]))
-        print("   per round, llmlab continuous tokens/s over:")
-        for name in (n for n in systems if n != CONT):
-            ratios = [o["wall_s"] / c["wall_s"]          # same tokens: a ratio of tokens/s
-                      for c, o in zip(runs[CONT], runs[name])]
-            round_ratios[name] = ratios
-            print(f"     {name}: " + ", ".join(f"{x:.2f}×" for x in ratios)
-                  + f"  (median {statistics.median(ratios):.2f}×)")
-    # the table shows each system's median round (by wall time)
-    results = {name: sorted(rs, key=lambda x: x["wall_s"])[(len(rs) - 1) // 2]
-               for name, rs in runs.items()}
+    print(f"   {len(runs[CONT])} rounds (each system's order rotates); wall s per round:")
+    for name in systems:
+        print(f"     {name}: " + ", ".join(f"{x['wall_s']:.1f}" for x in runs[name]))
+    print("   per round, llmlab continuous tokens/s over:")
+    for name in (n for n in systems if n != CONT):
+        ratios = [o["wall_s"] / c["wall_s"]          # same tokens: a ratio of tokens/s
+                  for c, o in zip(runs[CONT], runs[name])]
+        round_ratios[name] = ratios
+        print(f"     {name}: " + ", ".join(f"{x:.2f}×" for x in ratios)
+              + f"  (median {statistics.median(ratios):.2f}×)")
+    return round_ratios
+
+
+def report_results(results: dict[str, dict], systems: list[str]) -> list[dict]:
+    """The table of the median rounds, the speedups, and where they come from."""
     rows = [_row(k, v) for k, v in results.items()]
     table(rows)
     cont = results[CONT]
@@ -251,27 +217,83 @@ def main(argv: list[str]) -> int:
         print(f"     {name}: {results[name]['positions']} positions = {work:.2f}× continuous's "
               f"{cont['positions']}; measured {speed:.2f}×, so continuous spends {work / speed:.2f}× "
               "its time per position")
-    for name in systems[systems.index("llmlab static"):]:
+    for name in systems[systems.index(STATIC):]:
         st = results[name]["stats"]
         longest = max(r.end_s - r.start_s for r in st.steps)
         print(f"   {name}: {len(st.steps)} steps (longest {longest:.2f} s), {st.computed_tokens} "
               f"token positions computed for {st.real_tokens} real ({st.padding_tokens} pads), "
               f"{st.num_preemptions} preemptions")
+    return rows
 
-    # correctness: a sample of requests generated alone must match token for token
-    k = max(0, min(args.check, len(trace)))
+
+def check_parity(model, tok, trace: list[TraceRequest], results: dict[str, dict],
+                 k: int) -> tuple[list[int], dict[str, int]]:
+    """Re-generate ``k`` requests (spread over the trace) alone with ``llmlab.generate``;
+    -> (their indices, how many each system got token for token)."""
+    from ..generate import generate
+
+    k = max(0, min(k, len(trace)))
     picks = sorted({round(i * (len(trace) - 1) / max(k - 1, 1)) for i in range(k)}) if k else []
+    labels = {STATIC: "static", CONT: "continuous", HF_NAME: "HF"}
     same = {"static": 0, "continuous": 0, "chunked": 0, "HF": 0}
     for i in picks:
         r = trace[i]
-        ref = llmlab.generate(model, tok, [r["prompt_token_ids"]], max_new_tokens=r["output_tokens"],
-                              kv_cache="contiguous", ignore_eos=True)[0].token_ids
-        same["static"] += results["llmlab static"]["tokens"][i] == ref
-        same["continuous"] += cont["tokens"][i] == ref
-        if chunked in results:
-            same["chunked"] += results[chunked]["tokens"][i] == ref
-        if HF_NAME in results:
-            same["HF"] += results[HF_NAME]["tokens"][i] == ref
+        ref = generate(model, tok, [r.prompt_token_ids], max_new_tokens=r.output_tokens,
+                       kv_cache="contiguous", ignore_eos=True)[0].token_ids
+        for name, res in results.items():
+            same[labels.get(name, "chunked")] += res["tokens"][i] == ref
+    return picks, same
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.gpu and args.device != "cuda":
+        print("serve --gpu needs CUDA; nothing to do on this machine")
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import llmlab
+    from ..engine import LLM
+
+    header(f"serve: {Path(args.trace).name}, {args.model}, max_num_seqs={args.max_num_seqs}")
+    tok = llmlab.load_tokenizer(args.model)
+    trace = load_trace(args.trace, args.requests or None, max_output=args.max_output,
+                       tokenizer=tok, output_scale=args.output_scale)
+    print_trace(trace)
+    model = llmlab.load_model(args.model, attention="sdpa", device=args.device)
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir(args.model)),
+                                                  dtype=torch.float32).to(args.device).eval()
+    chunked = f"llmlab continuous, chunked prefill ({args.chunk_budget} tokens/step)"
+    systems = ([HF_NAME] if hf is not None else []) + [STATIC, CONT] \
+        + ([chunked] if args.chunk_budget else [])
+
+    def serve(name: str, requests: list[TraceRequest]) -> dict:
+        if name == HF_NAME:
+            return run_hf(hf, tok, requests, args.max_num_seqs)
+        kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk_budget} \
+            if name == chunked else {}
+        llm = LLM(model, tok, scheduler="static" if name == STATIC else "continuous",
+                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, **kw)
+        return run_llmlab(llm, requests)
+
+    # first calls pay one-time setup (allocator, GEMM kernels)
+    warm = [dataclasses.replace(r, output_tokens=min(4, r.output_tokens))
+            for r in trace[:args.max_num_seqs]]
+    runs = serve_rounds(serve, systems, trace, warm, args.rounds)
+    del hf
+    round_ratios = report_rounds(runs, systems) if args.rounds > 1 else {}
+    # the table shows each system's median round (by wall time)
+    results = {name: sorted(rs, key=lambda x: x["wall_s"])[(len(rs) - 1) // 2]
+               for name, rs in runs.items()}
+    rows = report_results(results, systems)
+
+    # correctness: a sample of requests generated alone must match token for token
+    picks, same = check_parity(model, tok, trace, results, args.check)
     if picks:
         print(f"   greedy tokens equal to generating alone (requests {picks}): "
               f"continuous {same['continuous']}/{len(picks)}, static {same['static']}/{len(picks)}"

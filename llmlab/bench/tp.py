@@ -27,7 +27,7 @@ def _prompt_ids(model_name: str) -> tuple[list[int], int | None]:
 
 def run_cpu(quick: bool) -> dict:
     from llmlab.config import ModelConfig
-    from llmlab.models.registry import resolve
+    from llmlab.models import resolve
     from llmlab.parallel import check_tp_degree, launch
     from llmlab.parallel.comm import allreduce_per_token, time_allreduce
     from llmlab.parallel.workers import generate_on_ranks, run_sequence
@@ -91,7 +91,7 @@ def run_gpu(quick: bool) -> dict | None:
         print(f"tp --gpu needs at least 2 CUDA GPUs; this machine has {n}. Nothing to run.")
         return None
     from llmlab.config import ModelConfig
-    from llmlab.models.registry import resolve
+    from llmlab.models import resolve
     from llmlab.parallel import launch, valid_tp_degrees
     from llmlab.parallel.comm import time_allreduce
     from llmlab.parallel.workers import generate_on_ranks, run_sequence

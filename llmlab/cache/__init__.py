@@ -1,4 +1,5 @@
-"""KV caches, chosen by name: ``"none"`` (the baseline: recompute everything) or ``"contiguous"``.
+"""KV caches, chosen by name: ``"none"`` (the baseline: recompute everything), ``"contiguous"``
+or ``"paged"``.
 
 Every cache implements one interface, which the attention layers call::
 
@@ -8,22 +9,45 @@ Every cache implements one interface, which the attention layers call::
       out  [batch, seq_q, heads, head_dim]
 
 plus its own per-step bookkeeping around the model's forward (for the contiguous cache:
-``positions = cache.begin(num_new, mask)`` before, ``cache.advance()`` after). A cache is
-built by a factory ``factory(model, batch, max_len)`` registered under its name, so
-``llmlab.generate(..., kv_cache=name)`` can pick it. Taught in notebook 02 (contiguous)
-and notebook 04 (paged).
+``positions = cache.begin(num_new, mask)`` before, ``cache.advance()`` after; for the
+paged one, blocks from its block manager and ``positions = cache.prepare(seq_ids,
+num_new)``). A cache is built by a factory ``factory(model, batch, max_len, **options)``
+registered under its name, so ``llmlab.generate(..., kv_cache=name)`` can pick it.
+Taught in notebook 02 (contiguous), notebook 04 (paged) and notebook 05 (the serving
+engine's packed layout, :class:`PackedPagedCache`).
+
+This package depends only on :mod:`llmlab.attention` (and the model's config): the
+generation loops that drive the caches live in :mod:`llmlab.generate` and
+:mod:`llmlab.engine`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from .block_manager import BlockManager, NoFreeBlocksError
 from .contiguous import ContiguousKVCache, kv_bytes_per_token, kv_cache_bytes
+from .packed import PackedPagedCache
+from .paged import PagedKVCache, blocks_needed
 
-_FACTORIES: dict[str, Callable | None] = {"none": None, "contiguous": ContiguousKVCache.for_model}
+
+def _paged_for_model(model, batch: int, max_len: int, block_size: int = 16,
+                     num_blocks: int | None = None, **kw) -> PagedKVCache:
+    """A paged cache with room for ``batch`` sequences of ``max_len`` tokens (or ``num_blocks``)."""
+    if num_blocks is None:
+        num_blocks = blocks_needed([max_len] * batch, block_size)
+    return PagedKVCache.for_model(model, num_blocks, block_size, **kw)
+
+
+def _contiguous_for_model(model, batch: int, max_len: int) -> ContiguousKVCache:
+    return ContiguousKVCache.for_model(model, batch, max_len)
+
+
+_FACTORIES: dict[str, Callable | None] = {"none": None, "contiguous": _contiguous_for_model,
+                                          "paged": _paged_for_model}
 
 
 def register(name: str, factory: Callable) -> None:
-    """Make ``factory(model, batch, max_len)`` available as ``kv_cache=name``."""
+    """Make ``factory(model, batch, max_len, **options)`` available as ``kv_cache=name``."""
     _FACTORIES[name] = factory
 
 
@@ -39,16 +63,14 @@ def check_name(name: str) -> str:
     return name
 
 
-def create(name: str, model, batch: int, max_len: int):
-    """A fresh cache called ``name`` for ``model`` (None for ``"none"``)."""
+def create(name: str, model, batch: int, max_len: int, **options):
+    """A fresh cache called ``name`` for ``model`` with room for ``batch`` sequences of
+    ``max_len`` slots (None for ``"none"``); ``options`` go to the factory (for
+    ``"paged"``: ``block_size``, ``num_blocks``, ``backend``, ``enable_prefix_caching``)."""
     factory = _FACTORIES[check_name(name)]
-    return None if factory is None else factory(model, batch, max_len)
+    return None if factory is None else factory(model, batch, max_len, **options)
 
-
-# Paged KV cache and its block manager (notebook 04).
-from .block_manager import BlockManager, NoFreeBlocksError  # noqa: E402
-from .paged import PagedKVCache, generate_paged  # noqa: E402
 
 __all__ = ["ContiguousKVCache", "kv_bytes_per_token", "kv_cache_bytes", "register",
            "available", "check_name", "create", "BlockManager", "NoFreeBlocksError",
-           "PagedKVCache", "generate_paged"]
+           "PagedKVCache", "PackedPagedCache", "blocks_needed"]

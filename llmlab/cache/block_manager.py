@@ -15,15 +15,23 @@ Sharing:
   fresh block and returns ``(src, dst)`` so the caller copies the K/V already there.
 * Prefix caching: a *full* block is identified by a hash of its tokens chained with the
   hash of the block before it (so equal blocks at equal depths after equal prefixes
-  match). ``allocate`` reuses cached blocks for the longest matching prefix, comparing
-  the tokens on a hash hit. Blocks whose reference count drops to zero keep their
-  content and stay findable until the pool needs them; they are evicted least recently
-  used first. The last prompt token is always recomputed (its logits are needed), so
-  the block that holds it is never taken from the cache.
+  match). A block becomes findable only once its K/V is written: the caller reports
+  that with :meth:`BlockManager.mark_computed` after the forward pass succeeds, never
+  at ``allocate`` / ``append_slot`` time (a forward that fails part-way must not leave
+  blocks of garbage K/V for the next prompt to reuse). ``allocate`` reuses cached
+  blocks for the longest matching prefix, comparing the tokens on a hash hit. Blocks
+  whose reference count drops to zero keep their content and stay findable until the
+  pool needs them; they are evicted least recently used first. The last prompt token
+  is always recomputed (its logits are needed), so the block that holds it is never
+  taken from the cache.
 
 Running out of blocks raises :class:`NoFreeBlocksError` *before* anything changes, and
 ``can_allocate`` / ``can_append`` answer whether an operation would succeed, so a
 scheduler can preempt a sequence (free it and recompute later) instead of crashing.
+
+The pool itself is a :class:`BlockAllocator`; ``BlockManager(..., allocator=obj)``
+takes any object with the same interface instead (see :class:`BlockManager`), so a
+hand-written allocator can be dropped in under the same block tables.
 
 Taught in notebook 04 (PagedAttention).
 """
@@ -152,6 +160,38 @@ class BlockAllocator:
         if key is not None and self._hash_to_block.get(key[0]) == block:
             del self._hash_to_block[key[0]]
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the free list, the cache and the ref counts disagree."""
+        free, cached = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & cached, "a block is both free and cached"
+        used = {b for b in range(self.num_blocks) if self.ref_counts[b] > 0}
+        assert not used & (free | cached), "a block is both free and in use"
+        assert used | free | cached == set(range(self.num_blocks)), "a block was lost"
+        for b in cached:
+            assert b in self._block_key, "a cached block has no hash"
+        for h, b in self._hash_to_block.items():
+            assert self._block_key[b][0] == h, "hash index points at the wrong block"
+
+
+_ALLOCATOR_METHODS = ("allocate", "incref", "decref", "num_free", "ref_counts")
+_PREFIX_CACHE_METHODS = ("lookup", "register", "is_evictable")
+
+
+def _check_allocator(allocator, num_blocks: int, enable_prefix_caching: bool) -> None:
+    """A replacement allocator must offer what :class:`BlockManager` calls."""
+    missing = [m for m in _ALLOCATOR_METHODS if not hasattr(allocator, m)]
+    if missing:
+        raise ValueError(f"allocator {type(allocator).__name__} lacks {missing}; an allocator "
+                         f"needs {list(_ALLOCATOR_METHODS)} (see BlockAllocator)")
+    missing = [m for m in _PREFIX_CACHE_METHODS if not hasattr(allocator, m)]
+    if enable_prefix_caching and missing:
+        raise ValueError(f"allocator {type(allocator).__name__} lacks {missing}, which prefix "
+                         "caching needs; pass enable_prefix_caching=False or add them")
+    if len(allocator.ref_counts) != num_blocks:
+        raise ValueError(f"allocator has {len(allocator.ref_counts)} blocks but "
+                         f"num_blocks={num_blocks}")
+
 
 @dataclass
 class _SeqState:
@@ -185,11 +225,32 @@ class BlockManager:
     The API is what a continuous-batching scheduler needs: ``can_allocate`` and
     ``allocate`` for a waiting prompt (returns how many prompt tokens are already
     cached), ``can_append`` and ``append_slot`` for each decode step (returns the slot to
-    write and an optional copy-on-write ``(src, dst)``), ``fork``, ``free``.
+    write and an optional copy-on-write ``(src, dst)``), ``mark_computed`` once a forward
+    pass has written K/V (their full blocks join the prefix cache), ``fork``, ``free``.
+
+    ``allocator``: the pool of physical blocks, by default a :class:`BlockAllocator`.
+    Any object with the same interface can replace it:
+
+    * ``allocate() -> int``: a block id with reference count 1 (raise
+      :class:`NoFreeBlocksError` when none is left);
+    * ``incref(block)`` / ``decref(block) -> int``: share a block / drop one reference
+      and return how many are left (at zero the block is free again);
+    * ``num_free``: how many blocks ``allocate`` can still hand out;
+    * ``ref_counts``: a list with the reference count of each block id;
+    * with ``enable_prefix_caching`` also ``lookup(hash, parent_hash, tokens)``,
+      ``register(block, hash, parent_hash, tokens)`` and ``is_evictable(block)``, as
+      :class:`BlockAllocator` defines them. A ``check_invariants()`` method, if it has
+      one, is called by :meth:`check_invariants`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.allocator = BlockAllocator(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 allocator=None):
+        if allocator is None:
+            allocator = BlockAllocator(num_blocks, block_size)
+        else:
+            _check_block_size(block_size)
+            _check_allocator(allocator, num_blocks, enable_prefix_caching)
+        self.allocator = allocator
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -272,15 +333,12 @@ class BlockManager:
     def can_allocate(self, prompt_tokens: Sequence[int]) -> bool:
         return self.num_blocks_to_allocate(prompt_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int],
-                 defer_caching: bool = False) -> int:
+    def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int]) -> int:
         """Reserve slots for a prompt; returns how many leading tokens are already cached.
 
         The caller computes K/V only for ``prompt_tokens[cached:]`` (at least the last
-        token). Raises NoFreeBlocksError (changing nothing) when the pool is too small.
-        The prompt's full blocks are indexed for prefix caching at once (their K/V are
-        written in the same step); with ``defer_caching`` (a prompt prefilled in chunks
-        over several steps) only as :meth:`mark_computed` reports them written.
+        token), then calls :meth:`mark_computed` so the new full blocks can serve later
+        prompts. Raises NoFreeBlocksError (changing nothing) when the pool is too small.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free it first")
@@ -291,22 +349,30 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(needed, self.num_free_blocks, f"allocate {seq_id!r}")
         hits, hashes = self._match_prefix(tokens)
-        for block in hits:                       # claim hits before fresh blocks can evict them
-            self.allocator.incref(block)
-        blocks = list(hits)
-        for _ in range(self._blocks_for(len(tokens)) - len(hits)):
-            blocks.append(self.allocator.allocate())
-        st = _SeqState(blocks=blocks, num_tokens=len(tokens), tokens=tokens, hashes=hashes)
-        self._seqs[seq_id] = st
-        if not defer_caching:
-            self._register_full_blocks(st)
+        blocks: list[int] = []
+        try:
+            for block in hits:                   # claim hits before fresh blocks can evict them
+                self.allocator.incref(block)
+                blocks.append(block)
+            for _ in range(self._blocks_for(len(tokens)) - len(hits)):
+                blocks.append(self.allocator.allocate())
+        except BaseException:                    # even an interrupt here must not leak blocks
+            for block in reversed(blocks):
+                self.allocator.decref(block)
+            raise
+        self._seqs[seq_id] = _SeqState(blocks=blocks, num_tokens=len(tokens), tokens=tokens,
+                                       hashes=hashes)
         cached = len(hits) * self.block_size
         self.stats.queries += len(tokens)
         self.stats.hits += cached
         return cached
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
-        """The K/V of the first ``num_tokens`` tokens are written: index their full blocks."""
+        """The K/V of the first ``num_tokens`` tokens are written: index their full blocks.
+
+        Call it once the forward pass that wrote them has returned: this is the only
+        place where a block enters the prefix cache.
+        """
         st = self._state(seq_id)
         if not 0 <= num_tokens <= st.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} for sequence {seq_id!r} of "
@@ -345,11 +411,11 @@ class BlockManager:
         """Reserve the slot for the sequence's next token; -> (slot, copy-on-write or None).
 
         ``token_id`` is the token whose K/V will be written there (needed to hash the
-        block for prefix caching when it fills; None skips that). When the last block is
-        shared with another sequence it is copied first: the return value then carries
-        ``(src_block, dst_block)`` and the caller must copy the K/V of ``src`` to ``dst``
-        before writing. Raises NoFreeBlocksError (changing nothing) when a block is
-        needed and none is free.
+        block for prefix caching once it is full and computed; None keeps it out). When
+        the last block is shared with another sequence it is copied first: the return
+        value then carries ``(src_block, dst_block)`` and the caller must copy the K/V of
+        ``src`` to ``dst`` before writing. Raises NoFreeBlocksError (changing nothing)
+        when a block is needed and none is free.
         """
         st = self._state(seq_id)
         bs = self.block_size
@@ -370,7 +436,6 @@ class BlockManager:
         pos = st.num_tokens
         st.num_tokens += 1
         st.tokens.append(None if token_id is None else int(token_id))
-        self._register_full_blocks(st)
         return st.blocks[pos // bs] * bs + pos % bs, cow
 
     # -- sharing and release -------------------------------------------------------
@@ -404,16 +469,11 @@ class BlockManager:
         for st in self._seqs.values():
             assert len(st.blocks) == self._blocks_for(st.num_tokens), "table length"
             assert len(st.tokens) == st.num_tokens, "token list length"
+            assert len(st.hashes) <= st.num_tokens // self.block_size, "a partial block hashed"
             for b in st.blocks:
                 refs[b] += 1
-        assert refs == a.ref_counts, "reference counts differ from table references"
-        free, cached = set(a._free), set(a._evictable)
-        assert len(free) == len(a._free), "a block is twice in the free list"
-        assert not free & cached, "a block is both free and cached"
-        used = {b for b in range(self.num_blocks) if refs[b] > 0}
-        assert not used & (free | cached), "a block is both free and in use"
-        assert used | free | cached == set(range(self.num_blocks)), "a block was lost"
-        for b in cached:
-            assert b in a._block_key, "a cached block has no hash"
-        for h, b in a._hash_to_block.items():
-            assert a._block_key[b][0] == h, "hash index points at the wrong block"
+        assert refs == list(a.ref_counts), "reference counts differ from table references"
+        used = sum(1 for r in refs if r > 0)
+        assert a.num_free == self.num_blocks - used, "free + used blocks != num_blocks"
+        if hasattr(a, "check_invariants"):
+            a.check_invariants()

@@ -75,12 +75,16 @@ class ContiguousKVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "ContiguousKVCache":
-        """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype."""
+        """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype.
+
+        ``max_len`` counts slots, left padding included, so a batch may need more than
+        the model's context (a short prompt beside a long one); each row's positions
+        stay inside the context, which the model checks. The cache holds the KV heads
+        this process computes: all of them, or a tensor-parallel rank's share.
+        """
         c = model.config
-        if max_len > c.max_position_embeddings:
-            raise ValueError(f"max_len={max_len} is past the model's context of "
-                             f"{c.max_position_embeddings} tokens")
-        return cls(c.num_layers, batch, c.num_kv_heads, c.head_dim, max_len,
+        kv_heads = model.layers[0].self_attn.num_kv_heads
+        return cls(c.num_layers, batch, kv_heads, c.head_dim, max_len,
                    dtype=model.dtype, device=model.device)
 
     # -- size ------------------------------------------------------------------------

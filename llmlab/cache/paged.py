@@ -13,36 +13,37 @@ One step of the model with the cache::
     if cow: cache.copy_blocks([cow])                       # copy-on-write after a fork
     positions = cache.prepare(seq_ids, num_new)            # slots, block tables, lengths
     logits = model(ids, positions=positions, cache=cache, last_only=True)
+    cache.manager.mark_computed(seq_id, n)                 # written: full blocks join the prefix cache
 
 Inside the forward every attention layer calls ``cache.attend(layer_idx, q, k, v, backend)``
 (the interface every cache in :mod:`llmlab.cache` implements): the new K/V are written by
 slot mapping (slot −1, a left pad, is skipped), then a paged attention backend
-(``paged`` = PyTorch reference, ``paged_triton`` = the Triton kernel) reads the blocks
-through the block table. :func:`generate_paged` is a small greedy/sampling loop on top;
-the serving engine (notebook 05) schedules many requests over the same pieces.
+(``paged`` = PyTorch reference, ``paged_sdpa`` = whole blocks + fused SDPA,
+``paged_triton`` = the Triton kernel; :mod:`llmlab.attention.paged`) reads the blocks
+through the block table. ``llmlab.generate(..., kv_cache="paged")`` runs a generation on
+it; the serving engine (notebook 05) schedules many requests over the same pieces, in
+the packed layout of :class:`llmlab.cache.packed.PackedPagedCache`.
 
 Taught in notebook 04.
 """
 from __future__ import annotations
 
 import itertools
-import time
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from .. import attention as attn_backends
-from ..device import sync
-from .block_manager import BlockManager, NoFreeBlocksError
-
-PAGED_BACKENDS = ("paged", "paged_triton")
+from .block_manager import BlockManager
 
 
 class PagedKVCache:
     """Paged K/V storage for every layer plus the block manager that maps it.
 
-    ``backend`` picks the attention: ``"paged"`` or ``"paged_triton"``; None uses the
-    layer's backend when it is one of those, else ``"paged"``.
+    ``backend`` picks the attention that reads the pool, one of
+    ``llmlab.attention.paged_backends()`` (``"paged"``, ``"paged_sdpa"``,
+    ``"paged_triton"``); None uses the layer's backend when it is one of those, else
+    ``"paged"``.
     """
 
     name = "paged"
@@ -55,8 +56,9 @@ class PagedKVCache:
                              ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label}={value!r} must be a positive int")
-        if backend is not None and backend not in PAGED_BACKENDS:
-            raise ValueError(f"backend={backend!r}; allowed: {list(PAGED_BACKENDS)} or None")
+        if backend is not None and backend not in attn_backends.paged_backends():
+            raise ValueError(f"backend={backend!r}; allowed: {attn_backends.paged_backends()} "
+                             "or None")
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -71,9 +73,14 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw) -> "PagedKVCache":
-        """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype."""
+        """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype.
+
+        It holds the KV heads this process computes: all of them, or a tensor-parallel
+        rank's share.
+        """
         c = model.config
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+        kv_heads = model.layers[0].self_attn.num_kv_heads
+        return cls(c.num_layers, kv_heads, c.head_dim, num_blocks, block_size,
                    dtype=model.dtype, device=model.device, **kw)
 
     # -- size ------------------------------------------------------------------------
@@ -167,13 +174,17 @@ class PagedKVCache:
         self.write(layer_idx, k.reshape(b * s, self.num_kv_heads, self.head_dim),
                    v.reshape(b * s, self.num_kv_heads, self.head_dim),
                    self._slot_mapping.reshape(-1))
-        name = self.backend
-        if name is None:
-            layer_name = getattr(backend, "name", None)
-            name = layer_name if layer_name in PAGED_BACKENDS else "paged"
-        fn = attn_backends.get(name).with_kvcache
-        return fn(q, self.k[layer_idx], self.v[layer_idx], self._seqlens, self._block_table,
-                  causal=True)
+        return self.paged_attention(backend)(q, self.k[layer_idx], self.v[layer_idx],
+                                             self._seqlens, self._block_table, causal=True)
+
+    def paged_attention(self, layer_backend) -> Callable:
+        """The with-KV-cache function that reads this pool: the cache's ``backend``, else
+        the layer's backend when it is a paged one, else the ``paged`` reference."""
+        if self.backend is not None:
+            return attn_backends.get(self.backend).with_kvcache
+        if getattr(layer_backend, "with_kvcache", None) is not None:
+            return layer_backend.with_kvcache
+        return attn_backends.get("paged").with_kvcache
 
 
 def blocks_needed(lengths: Sequence[int], block_size: int) -> int:
@@ -181,116 +192,4 @@ def blocks_needed(lengths: Sequence[int], block_size: int) -> int:
     return sum(-(-n // block_size) for n in lengths)
 
 
-@torch.inference_mode()
-def generate_paged(model, tokenizer, prompts, max_new_tokens: int = 32, block_size: int = 16,
-                   backend: str = "paged", num_blocks: int | None = None, chat: bool = True,
-                   cache: PagedKVCache | None = None, enable_prefix_caching: bool = True,
-                   temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None, seed: int | None = None,
-                   ignore_eos: bool = False):
-    """Generate with a paged KV cache: one batched prefill, then batched decode steps.
-
-    ``prompts``: a string, a list of strings, or a list of token-id lists. ``backend``:
-    ``"paged"`` (PyTorch reference) or ``"paged_triton"``. ``num_blocks`` defaults to
-    exactly what the prompts and ``max_new_tokens`` need; pass ``cache`` to reuse one
-    across calls (its prefix cache then serves repeated prompt prefixes — the number of
-    cached tokens is in ``generation.num_cached_tokens``). Finished sequences leave the
-    batch and free their blocks. Returns :class:`llmlab.generate.Generation` objects
-    (one, or a list, like :func:`llmlab.generate`).
-
-    This is a fixed batch, not a scheduler: when the pool is too small it raises
-    :class:`NoFreeBlocksError` (the continuous-batching engine preempts instead).
-    """
-    from ..engine.sampler import sample
-    from ..generate import Generation, prepare_prompts
-    from ..profiling.metrics import RequestMetrics
-
-    single = isinstance(prompts, str)
-    if backend not in PAGED_BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {list(PAGED_BACKENDS)}")
-    prompts, encoded = prepare_prompts(tokenizer, prompts, max_new_tokens, temperature, top_k,
-                                       top_p, chat)
-    cfg = model.config
-    for ids in encoded:
-        if not ids or len(ids) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"a prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} "
-                             f"must fit the context of {cfg.max_position_embeddings} tokens")
-    if cache is None:
-        need = blocks_needed([len(ids) + max_new_tokens for ids in encoded], block_size)
-        cache = PagedKVCache.for_model(model, num_blocks or need, block_size,
-                                       enable_prefix_caching=enable_prefix_caching,
-                                       backend=backend)
-    bm = cache.manager
-    eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    dev = model.device
-    gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-
-    seq_ids = [cache.new_seq_id() for _ in encoded]
-    sync(dev)
-    t0 = time.perf_counter()
-    cached = []
-    try:
-        for sid, ids in zip(seq_ids, encoded):
-            cached.append(bm.allocate(sid, ids))
-    except NoFreeBlocksError:
-        for sid in seq_ids[:len(cached)]:
-            bm.free(sid)
-        raise
-    # prefill: only the tokens not found in the prefix cache, left-padded
-    new = [ids[c:] for ids, c in zip(encoded, cached)]
-    positions = cache.prepare(seq_ids, [len(n) for n in new])
-    width = positions.shape[1]
-    input_ids = torch.full((len(new), width), pad, dtype=torch.long)
-    for row, n in enumerate(new):
-        input_ids[row, width - len(n):] = torch.tensor(n)
-    logits = model(input_ids.to(dev), positions=positions, cache=cache, last_only=True)[:, -1]
-
-    out_tokens: list[list[int]] = [[] for _ in encoded]
-    times: list[list[float]] = [[] for _ in encoded]
-    active = list(range(len(encoded)))
-    try:
-        while True:
-            nxt = sample(logits, temperature, top_k, top_p, gen).tolist()   # syncs
-            now = time.perf_counter() - t0
-            still = []
-            for row, tok in zip(active, nxt):
-                out_tokens[row].append(tok)
-                times[row].append(now)
-                done = (tok == eos and not ignore_eos) or len(out_tokens[row]) >= max_new_tokens
-                if done:
-                    bm.free(seq_ids[row])
-                else:
-                    still.append(row)
-            active = still
-            if not active:
-                break
-            cows = []
-            for row in active:
-                _, cow = bm.append_slot(seq_ids[row], out_tokens[row][-1])
-                if cow:
-                    cows.append(cow)
-            cache.copy_blocks(cows)
-            positions = cache.prepare([seq_ids[r] for r in active], [1] * len(active))
-            ids = torch.tensor([[out_tokens[r][-1]] for r in active], device=dev)
-            logits = model(ids, positions=positions, cache=cache, last_only=True)[:, -1]
-    finally:
-        for row in active:
-            if bm.has_seq(seq_ids[row]):
-                bm.free(seq_ids[row])
-
-    results = []
-    for i, p in enumerate(prompts):
-        toks = out_tokens[i]
-        finished = toks[-1] == eos and not ignore_eos
-        text = tokenizer.decode(toks[:-1] if finished else toks, skip_special_tokens=True)
-        metrics = RequestMetrics(prompt_tokens=len(encoded[i]), output_tokens=len(toks),
-                                 ttft_s=times[i][0], e2e_s=times[i][-1])
-        g = Generation(p, text, toks, encoded[i], "stop" if finished else "length", metrics)
-        g.num_cached_tokens = cached[i]
-        g.token_times_s = times[i]
-        results.append(g)
-    return results[0] if single else results
-
-
-__all__ = ["PagedKVCache", "generate_paged", "blocks_needed", "PAGED_BACKENDS"]
+__all__ = ["PagedKVCache", "blocks_needed"]

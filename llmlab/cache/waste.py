@@ -3,7 +3,7 @@
 The vLLM paper (Kwon et al., SOSP 2023, Fig. 2) found that serving systems which give each
 request one contiguous KV region used only 20.4%–38.2% of that memory for token states;
 paging brought the waste under 4%. This module reproduces the accounting on a request
-trace (``data/traces/*.jsonl``), for a pool of ``budget_tokens`` token slots:
+trace (``data/traces/*.jsonl``, read by :func:`llmlab.traces.load_trace`), for a pool of ``budget_tokens`` token slots:
 
 * ``"max_len"`` — (a) each request reserves one contiguous region of
   ``prompt + max_tokens`` slots when admitted (it cannot know when generation stops),
@@ -30,45 +30,15 @@ time-averaged over the busy steps. Taught in notebook 04.
 """
 from __future__ import annotations
 
-import json
-import math
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
+# Traces are read through this module in notebook 04, hence the re-export.
+from ..traces import TraceRequest, load_trace, trace_names
 from .block_manager import BlockManager
 
 POLICIES = ("max_len", "batch_max", "paged")
-TRACES_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_tokens: int
-    output_tokens: int
-    arrival_s: float = 0.0
-    prompt: str = ""
-    id: str = ""
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
-
-
-def trace_names() -> list[str]:
-    return sorted(p.stem for p in TRACES_DIR.glob("*.jsonl"))
-
-
-def load_trace(name: str, limit: int | None = None) -> list[Request]:
-    """Requests of ``data/traces/<name>.jsonl`` (see ``data/make_trace.py``), in arrival order."""
-    path = TRACES_DIR / f"{name}.jsonl"
-    if not path.exists():
-        raise ValueError(f"unknown trace {name!r}; allowed: {trace_names()}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    reqs = [Request(r["prompt_tokens"], r["output_tokens"], r["arrival_s"], r["prompt"], r["id"])
-            for r in rows]
-    return reqs[:limit] if limit is not None else reqs
 
 
 @dataclass
@@ -85,6 +55,7 @@ class WasteResult:
     mean_running: float = 0.0      # time-averaged concurrent sequences
     peak_running: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0     # paged: tokens a preempted request must prefill again
     finished: int = 0
 
     @property
@@ -108,7 +79,7 @@ class WasteResult:
 
 @dataclass
 class _Running:
-    req: Request
+    req: TraceRequest
     prompt: int                    # tokens to hold at admission (grows after a preemption)
     generated: int = 0             # output tokens produced so far (kept across preemption)
     start: int = 0                 # contiguous region start
@@ -149,85 +120,75 @@ class _FirstFit:
         del self.regions[start]
 
 
-def simulate(requests: Sequence[Request], policy: str, budget_tokens: int,
-             block_size: int = 16, max_tokens: int | None = None, max_batch: int = 256,
-             step_s: float | None = None) -> WasteResult:
-    """Run ``requests`` through a KV pool of ``budget_tokens`` slots; returns the accounting.
+@dataclass
+class _Pool:
+    """The simulated server: its queues and its KV memory under one policy."""
 
-    ``max_tokens``: the output cap the server enforces (``max_len`` reserves prompt +
-    max_tokens; default: the longest output in ``requests``). ``max_batch`` caps
-    concurrent sequences. ``step_s``: seconds per decode step, used to turn arrival
-    times into steps; None means every request is waiting at step 0 (a saturated server).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
-    if not requests:
-        raise ValueError("requests is empty")
-    if policy == "paged" and (block_size < 1 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size={block_size!r} must be a power of two (1, 2, ..., 256)")
-    cap = max_tokens if max_tokens is not None else max(r.output_tokens for r in requests)
-    too_big = [r for r in requests if r.prompt_tokens + cap > budget_tokens]
-    if too_big:
-        raise ValueError(f"budget_tokens={budget_tokens} cannot hold a request of "
-                         f"{too_big[0].prompt_tokens} + {cap} tokens")
-    res = WasteResult(policy, block_size if policy == "paged" else None, budget_tokens)
-    arrivals = [0 if step_s is None else int(r.arrival_s / step_s) for r in requests]
-    waiting: list[_Running] = []
-    running: list[_Running] = []
-    nxt, step, order = 0, 0, 0
-    pool = _FirstFit(budget_tokens)
-    free_blocks = budget_tokens // block_size     # paged: no sharing here, so counts suffice
-    batch_open = False                        # static batching: a batch is running
+    policy: str
+    budget_tokens: int
+    block_size: int
+    cap: int                       # output cap the server enforces (max_len reserves it)
+    max_batch: int
+    waiting: list[_Running] = field(default_factory=list)
+    running: list[_Running] = field(default_factory=list)
+    order: int = 0                 # admissions so far
+    free_blocks: int = 0           # paged: no sharing here, so counts suffice
+    batch_open: bool = False       # static batching: a batch is running
+    regions: _FirstFit | None = None
 
-    while nxt < len(requests) or waiting or running:
-        while nxt < len(requests) and arrivals[nxt] <= step:
-            waiting.append(_Running(requests[nxt], requests[nxt].prompt_tokens))
-            nxt += 1
-        if not waiting and not running:       # idle until the next arrival
-            step = arrivals[nxt]
-            continue
+    def __post_init__(self):
+        self.free_blocks = self.budget_tokens // self.block_size
+        self.regions = _FirstFit(self.budget_tokens)
 
-        # -- admission ---------------------------------------------------------------
-        blocked_need = None
-        if policy == "max_len":
-            while waiting and len(running) < max_batch:
-                r = waiting[0]
-                start = pool.alloc(r.prompt + cap)
+    def _start(self, r: _Running) -> None:
+        r.order = self.order
+        self.order += 1
+        self.running.append(r)
+        self.waiting.remove(r)
+
+    def admit(self) -> int | None:
+        """Admit waiting requests as the policy allows; -> the size the first request
+        left waiting could not get (slots for max_len, blocks for paged), or None."""
+        if self.policy == "batch_max":
+            self._admit_static_batch()
+            return None
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            if self.policy == "max_len":
+                start = self.regions.alloc(r.prompt + self.cap)
                 if start is None:
-                    blocked_need = r.prompt + cap
-                    break
-                r.start, r.size, r.order = start, r.prompt + cap, order
-                order += 1
-                running.append(waiting.pop(0))
-        elif policy == "batch_max":
-            if not batch_open and waiting:
-                batch: list[_Running] = []
-                longest = 0
-                for r in waiting[:max_batch]:
-                    cand = max(longest, r.req.total_tokens)
-                    if cand * (len(batch) + 1) > budget_tokens:
-                        break
-                    batch.append(r)
-                    longest = cand
-                for r in batch:
-                    r.size = longest
-                    waiting.remove(r)
-                running, batch_open = batch, True
-        else:
-            while waiting and len(running) < max_batch:
-                r = waiting[0]
-                need = -(-(r.prompt + 1) // block_size)   # prompt + the first new token's slot
-                if need > free_blocks:
-                    blocked_need = need
-                    break
-                free_blocks -= need
-                r.size, r.order = need * block_size, order
-                order += 1
-                running.append(waiting.pop(0))
+                    return r.prompt + self.cap
+                r.start, r.size = start, r.prompt + self.cap
+            else:
+                need = -(-(r.prompt + 1) // self.block_size)  # prompt + the first new token
+                if need > self.free_blocks:
+                    return need
+                self.free_blocks -= need
+                r.size = need * self.block_size
+            self._start(r)
+        return None
 
-        # -- account this step ---------------------------------------------------------
+    def _admit_static_batch(self) -> None:
+        """A new batch only when the last one has finished; all members reserve its longest."""
+        if self.batch_open or not self.waiting:
+            return
+        batch: list[_Running] = []
+        longest = 0
+        for r in self.waiting[:self.max_batch]:
+            cand = max(longest, r.req.total_tokens)
+            if cand * (len(batch) + 1) > self.budget_tokens:
+                break
+            batch.append(r)
+            longest = cand
+        for r in batch:
+            r.size = longest
+            self.waiting.remove(r)
+        self.running, self.batch_open = batch, True
+
+    def account(self, res: WasteResult, blocked_need: int | None) -> None:
+        """Add this step's slot classification to ``res`` (averaged at the end)."""
         used = reservation = internal = 0
-        for r in running:
+        for r in self.running:
             held = r.size
             if r.done_at is not None:        # finished member of a static batch
                 internal += held
@@ -237,73 +198,122 @@ def simulate(requests: Sequence[Request], policy: str, budget_tokens: int,
             used += length
             reservation += min(held, final) - length
             internal += held - min(held, final)
-        free = budget_tokens - used - reservation - internal
+        free = self.budget_tokens - used - reservation - internal
         external = 0
-        if policy == "max_len" and blocked_need is not None and free >= blocked_need:
+        if self.policy == "max_len" and blocked_need is not None and free >= blocked_need:
             external = free                   # enough free slots, but only in small holes
         res.used += used
         res.reservation += reservation
         res.internal += internal
         res.external += external
         res.idle += free - external
-        live = sum(1 for r in running if r.done_at is None)
+        live = sum(1 for r in self.running if r.done_at is None)
         res.mean_running += live
         res.peak_running = max(res.peak_running, live)
         res.steps += 1
 
-        # -- every running request writes one token ------------------------------------
-        for r in running:
+    def decode(self, res: WasteResult, step: int) -> None:
+        """Every running request writes one token; finished ones give their memory back
+        (a static batch only once all its members are done)."""
+        for r in self.running:
             if r.done_at is None:
                 r.generated += 1
                 if r.remaining == 0:
                     r.done_at = step
                     res.finished += 1
-        finished = [r for r in running if r.done_at is not None]
-        if policy == "max_len":
+        finished = [r for r in self.running if r.done_at is not None]
+        if self.policy == "max_len":
             for r in finished:
-                pool.free(r.start)
-                running.remove(r)
-        elif policy == "paged":
+                self.regions.free(r.start)
+                self.running.remove(r)
+        elif self.policy == "paged":
             for r in finished:
-                free_blocks += r.size // block_size
-                running.remove(r)
-            # reserve next step's slot, oldest first; preempt the newest when out of blocks
-            needy = [r for r in running if r.length >= r.size]   # last block is full
-            if len(needy) > free_blocks:
-                running.sort(key=lambda x: x.order)
-                gone = set()
-                for r in sorted(needy, key=lambda x: x.order):
-                    if id(r) in gone:
-                        continue
-                    while free_blocks == 0:
-                        victim = running.pop()               # the newest request
-                        if victim is r and not running:
-                            raise ValueError(f"budget_tokens={budget_tokens} cannot hold "
-                                             "one request")
-                        gone.add(id(victim))
-                        free_blocks += victim.size // block_size
-                        victim.prompt, victim.size = victim.length, 0   # recompute later
-                        waiting.insert(0, victim)
-                        res.preemptions += 1
-                        if victim is r:
-                            break
-                    if id(r) not in gone:
-                        free_blocks -= 1
-                        r.size += block_size
-            else:
-                free_blocks -= len(needy)
-                for r in needy:
-                    r.size += block_size
-        elif all(r.done_at is not None for r in running):
-            running, batch_open = [], False
-        step += 1
+                self.free_blocks += r.size // self.block_size
+                self.running.remove(r)
+            self._grow_blocks(res)
+        elif all(r.done_at is not None for r in self.running):
+            self.running, self.batch_open = [], False
 
+    def _grow_blocks(self, res: WasteResult) -> None:
+        """Paged: reserve next step's slot, oldest first; preempt the newest when out of blocks."""
+        needy = [r for r in self.running if r.length >= r.size]   # last block is full
+        if len(needy) <= self.free_blocks:
+            self.free_blocks -= len(needy)
+            for r in needy:
+                r.size += self.block_size
+            return
+        self.running.sort(key=lambda x: x.order)
+        gone = set()
+        for r in sorted(needy, key=lambda x: x.order):
+            if id(r) in gone:
+                continue
+            while self.free_blocks == 0:
+                victim = self.running.pop()               # the newest request
+                if victim is r and not self.running:
+                    raise ValueError(f"budget_tokens={self.budget_tokens} cannot hold "
+                                     "one request")
+                gone.add(id(victim))
+                self.free_blocks += victim.size // self.block_size
+                victim.prompt, victim.size = victim.length, 0   # recompute later
+                self.waiting.insert(0, victim)
+                res.preemptions += 1
+                res.recomputed_tokens += victim.length
+                if victim is r:
+                    break
+            if id(r) not in gone:
+                self.free_blocks -= 1
+                r.size += self.block_size
+
+
+def _check_simulation(requests: Sequence[TraceRequest], policy: str, budget_tokens: int,
+                      block_size: int, cap: int) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
+    if policy == "paged" and (block_size < 1 or block_size & (block_size - 1)):
+        raise ValueError(f"block_size={block_size!r} must be a power of two (1, 2, ..., 256)")
+    too_big = [r for r in requests if r.prompt_tokens + cap > budget_tokens]
+    if too_big:
+        raise ValueError(f"budget_tokens={budget_tokens} cannot hold a request of "
+                         f"{too_big[0].prompt_tokens} + {cap} tokens")
+
+
+def simulate(requests: Sequence[TraceRequest], policy: str, budget_tokens: int,
+             block_size: int = 16, max_tokens: int | None = None, max_batch: int = 256,
+             step_s: float | None = None) -> WasteResult:
+    """Run ``requests`` through a KV pool of ``budget_tokens`` slots; returns the accounting.
+
+    ``max_tokens``: the output cap the server enforces (``max_len`` reserves prompt +
+    max_tokens; default: the longest output in ``requests``). ``max_batch`` caps
+    concurrent sequences. ``step_s``: seconds per decode step, used to turn arrival
+    times into steps; None means every request is waiting at step 0 (a saturated server).
+    Each step: admit (per policy), account every pool slot, then every running request
+    writes one token.
+    """
+    if not requests:
+        raise ValueError("requests is empty")
+    cap = max_tokens if max_tokens is not None else max(r.output_tokens for r in requests)
+    _check_simulation(requests, policy, budget_tokens, block_size, cap)
+    res = WasteResult(policy, block_size if policy == "paged" else None, budget_tokens)
+    arrivals = [0 if step_s is None else int(r.arrival_s / step_s) for r in requests]
+    pool = _Pool(policy, budget_tokens, block_size, cap, max_batch)
+    nxt = step = 0
+    while nxt < len(requests) or pool.waiting or pool.running:
+        while nxt < len(requests) and arrivals[nxt] <= step:
+            pool.waiting.append(_Running(requests[nxt], requests[nxt].prompt_tokens))
+            nxt += 1
+        if not pool.waiting and not pool.running:     # idle until the next arrival
+            step = arrivals[nxt]
+            continue
+        blocked_need = pool.admit()
+        pool.account(res, blocked_need)
+        pool.decode(res, step)
+        step += 1
     for k in ("used", "reservation", "internal", "external", "idle", "mean_running"):
         setattr(res, k, getattr(res, k) / max(res.steps, 1))
     return res
 
 
-def block_size_sweep(requests: Sequence[Request], budget_tokens: int,
+def block_size_sweep(requests: Sequence[TraceRequest], budget_tokens: int,
                      block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
                      **kw) -> list[WasteResult]:
     """``simulate(..., "paged", block_size=b)`` for each block size."""
@@ -329,7 +339,7 @@ def _blocks(n: int, bs: int) -> int:
     return -(-n // bs)
 
 
-def parallel_sampling_memory(requests: Sequence[Request], n: int = 4, block_size: int = 16,
+def parallel_sampling_memory(requests: Sequence[TraceRequest], n: int = 4, block_size: int = 16,
                              ) -> SharingResult:
     """``n`` samples per prompt: forked after the prompt (shared), or ``n`` separate copies.
 
@@ -351,7 +361,7 @@ def parallel_sampling_memory(requests: Sequence[Request], n: int = 4, block_size
     return SharingResult("parallel", n, block_size, shared / steps, unshared / steps, cows)
 
 
-def beam_search_memory(requests: Sequence[Request], width: int = 4, block_size: int = 16,
+def beam_search_memory(requests: Sequence[TraceRequest], width: int = 4, block_size: int = 16,
                        seed: int = 0, keep_best: float = 0.6) -> SharingResult:
     """Beam search of ``width`` beams: each step every new beam extends a parent beam.
 
@@ -386,6 +396,6 @@ def beam_search_memory(requests: Sequence[Request], width: int = 4, block_size: 
     return SharingResult("beam", width, block_size, shared / steps, unshared / steps, cows)
 
 
-__all__ = ["Request", "load_trace", "trace_names", "simulate", "block_size_sweep",
+__all__ = ["TraceRequest", "load_trace", "trace_names", "simulate", "block_size_sweep",
            "WasteResult", "POLICIES", "SharingResult", "parallel_sampling_memory",
            "beam_search_memory"]

@@ -1,7 +1,7 @@
 """The serving engine (notebook 05): request state, schedulers (static and continuous),
 the step loop over the paged KV cache, the sampler, and the vLLM-shaped ``LLM`` API."""
 from .llm import LLM, EngineStats, LLMEngine, StepRecord, TokenEvent
-from .sampler import filter_logits, sample, sample_rows
+from ..sampling import filter_logits, sample, sample_rows
 from .scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import CompletionOutput, RequestOutput, SamplingParams
 

@@ -12,19 +12,28 @@ max_tokens, context) that free seats and blocks for the next step. :class:`LLM` 
 it: prompts in, :class:`RequestOutput` per prompt out, in input order, with TTFT, TPOT
 and end-to-end latency per request; ``chat`` applies the chat template; ``stream``
 yields tokens as they are produced. Taught in notebook 05.
+
+A step can fail anywhere (a bug, bad input, or a student pressing the stop button):
+the engine then sends its running sequences back to the waiting queue with no block
+held, and blocks enter the prefix cache only after the forward that wrote their K/V
+has returned, so nothing half-computed is ever reused. ``LLM`` calls abort their own
+requests when they fail, when interrupted, or when a stream is closed early, so the
+next call starts clean. :meth:`LLMEngine.abort_request` does it for one request.
 """
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import torch
 
 from ..cache.paged import PagedKVCache
-from .runner import DECODE_ATTENTION, ModelRunner
-from .sampler import sample_rows
+from .runner import ModelRunner, choose_paged_attention
+from ..sampling import sample_rows
+from ..stopping import finish_reason
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import (CompletionOutput, Request, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
@@ -76,32 +85,38 @@ class TokenEvent:
     index: int                   # which prompt (input order)
     completion: int              # which of its n completions
     token_id: int
-    text: str                    # the new text this token adds (may be "" mid-character)
+    text: str                    # new text; "" while held back (half a character, or
+                                 # what may be the start of a stop string)
     finished: bool
     finish_reason: str | None = None
 
 
 class LLMEngine:
-    """Requests in, tokens out, one :meth:`step` at a time (see the module docstring)."""
+    """Requests in, tokens out, one :meth:`step` at a time (see the module docstring).
 
-    def __init__(self, model, tokenizer, *, scheduler: str = "continuous", block_size: int = 16,
+    ``scheduler``: ``"continuous"``, ``"static"``, or a function ``(scheduler, now) ->
+    SchedulerOutput`` that replaces the continuous policy's one-step decision (see
+    :class:`~llmlab.engine.scheduler.Scheduler`).
+    """
+
+    def __init__(self, model, tokenizer, *, scheduler: str | Callable = "continuous",
+                 block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
-                 decode_attention: str | None = None, seed: int = 0):
+                 paged_attention: str | None = None, seed: int = 0,
+                 decode_attention: str | None = None):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
         if not isinstance(max_model_len, int) or not 1 <= max_model_len <= ctx:
             raise ValueError(f"max_model_len={max_model_len!r} must be an int in 1..{ctx} "
                              "(the model's context)")
-        self.config = SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
+        schedule_fn = scheduler if callable(scheduler) else None
+        policy = "continuous" if schedule_fn is not None else scheduler
+        self.config = SchedulerConfig(policy, max_num_seqs, max_num_batched_tokens,
                                       max_model_len, enable_chunked_prefill)
-        if decode_attention is None:
-            decode_attention = "paged_triton" if model.device.type == "cuda" else "gather"
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention={decode_attention!r}; allowed: "
-                             f"{list(DECODE_ATTENTION)}")
+        paged_attention = choose_paged_attention(paged_attention, model.device, decode_attention)
         if num_blocks is None:
             probe = PagedKVCache.for_model(model, 1, block_size)
             per_seq = -(-max_model_len // block_size)
@@ -109,18 +124,21 @@ class LLMEngine:
                                     per_seq * max_num_seqs))
         self.model, self.tokenizer = model, tokenizer
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size,
-                                            enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.cache.manager)
+                                            enable_prefix_caching=enable_prefix_caching,
+                                            backend=paged_attention)
+        self.scheduler = Scheduler(self.config, self.cache.manager, schedule_fn)
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_token_id = eos
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        self.runner = ModelRunner(model, self.cache, decode_attention, pad_token_id=pad)
+        self.runner = ModelRunner(model, self.cache, pad_token_id=pad)
         self._rng = torch.Generator().manual_seed(seed)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self._t0 = time.perf_counter()
         self.stats = EngineStats()
         self.idle = True               # the last step found nothing to run
+        self.requests: dict[int, Request] = {}     # unfinished requests, by id
+        self._rng_states: dict = {}                 # during sampling: {seq_id: (len, state)}
 
     # -- clock and requests ---------------------------------------------------------------
     def now(self) -> float:
@@ -150,22 +168,41 @@ class LLMEngine:
             return f"n={params.n} completions exceed max_num_seqs={cfg.max_num_seqs}"
         return None
 
+    def check_token_ids(self, ids: Seq[int]) -> list[int]:
+        """The prompt as a list of ints; ValueError naming the first id that is not an
+        integer in ``0 .. vocab_size - 1``."""
+        vocab = self.model.config.vocab_size
+        out = []
+        for t in ids:
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise ValueError(f"token id {t!r} is not an integer; token ids are ints in "
+                                 f"0..{vocab - 1} (the vocabulary has {vocab} tokens)") from None
+            if not 0 <= t < vocab:
+                raise ValueError(f"token id {t} is outside the vocabulary of {vocab} tokens "
+                                 f"(allowed: 0..{vocab - 1})")
+            out.append(t)
+        return out
+
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> Request:
         """Queue a request (arrival_time on the engine clock; default: now).
 
         A request that can never run (longer than the context, larger than the block
-        pool) is returned finished with ``error`` set; the others are unaffected.
+        pool) is returned finished with ``error`` set; the others are unaffected. A token
+        id outside the vocabulary raises ValueError, and nothing is queued.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams; got {type(params).__name__}")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = self.check_token_ids(prompt_token_ids)
         arrival = self.now() if arrival_time is None else float(arrival_time)
         req = Request(next(self._request_ids), prompt, ids, params, arrival)
         req.error = self._reject_reason(ids, params)
         if req.error is None:
             seq = Sequence(next(self._seq_ids), req, 0, ids, generator=self._generator(params, 0))
             req.seqs.append(seq)
+            self.requests[req.request_id] = req
             self.scheduler.add(seq)
         return req
 
@@ -178,25 +215,40 @@ class LLMEngine:
 
         Returns [] when nothing could run (e.g. the next request has not arrived yet; then
         ``idle`` is set), or when the step only fed chunks of prompts.
+
+        If anything raises part-way (an exception, or KeyboardInterrupt from the stop
+        button), the engine first goes back to a consistent state, then re-raises the
+        exception unchanged: the running sequences return to the waiting queue to be
+        recomputed (as if preempted), no block is held, and only blocks whose K/V were
+        written remain in the prefix cache. Nothing is lost; :meth:`abort_request`
+        drops requests the caller no longer wants (``LLM`` does that for its call).
         """
         start = self.now()
+        try:
+            return self._step(start)
+        except BaseException:
+            self._recover()
+            raise
+
+    def _step(self, start: float) -> list[tuple[Sequence, int]]:
         work = self.scheduler.schedule(start)
         self.idle = work.is_empty
         if work.is_empty:
             return []
         seats = self.scheduler.occupancy(self.config.max_num_seqs)
         logits = self.runner.execute(work)
-        for s in work.scheduled:
+        for s in work.scheduled:           # K/V written: only now may blocks serve as a prefix
             s.seq.num_computed += s.num_new
-            if s.prefill:                  # its prompt blocks may now serve as a prefix
-                self.cache.manager.mark_computed(s.seq.seq_id, s.seq.num_computed)
+            self.cache.manager.mark_computed(s.seq.seq_id, s.seq.num_computed)
         # a prompt chunk that is not the last one produces no token yet
         rows = [r for r, s in enumerate(work.scheduled) if s.seq.num_computed == s.seq.num_tokens]
         scheduled = [work.scheduled[r].seq for r in rows]
         logits = logits[rows] if len(rows) < len(work.scheduled) else logits
-        params = [s.request.params for s in scheduled]
-        tokens = sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
-                             [p.top_p for p in params], [s.generator for s in scheduled])
+        # random states before sampling: a failed step puts back those of sequences that
+        # got no token, so a seeded request samples what it would have without the failure
+        self._rng_states = {s.seq_id: (len(s.output_token_ids), s.generator.get_state())
+                            for s in scheduled if s.generator is not None}
+        tokens = self._sample(logits, scheduled)
         now = self.now()
         produced = []
         for row, (seq, tok) in enumerate(zip(scheduled, tokens)):
@@ -205,8 +257,15 @@ class LLMEngine:
                 produced += self._fork(seq, logits[row], now)
             self._append(seq, tok, now)
             produced.append((seq, tok))
+        self._rng_states = {}
         self._record(work, start, seats)
         return produced
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row of ``logits`` [len(seqs), vocab], with each sequence's params."""
+        params = [s.request.params for s in seqs]
+        return sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
+                           [p.top_p for p in params], [s.generator for s in seqs])
 
     def _fork(self, parent: Sequence, logits: torch.Tensor, now: float) -> list:
         """n > 1: the other completions share the parent's prompt blocks (copy-on-write)."""
@@ -225,36 +284,100 @@ class LLMEngine:
             made.append((child, tok))
         return made
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> None:
+    def _stop_check(self, seq: Sequence
+                    ) -> tuple[SequenceStatus | None, str | int | None, str | None]:
+        """Whether the sequence's last token ends it: (status or None, reason, text cut at
+        a stop string or None)."""
         p = seq.request.params
-        seq.output_token_ids.append(tok)
-        seq.token_times.append(now)
-        status, reason = None, None
-        if tok == self.eos_token_id and not p.ignore_eos:
-            status, reason = SequenceStatus.FINISHED_STOPPED, tok
-        elif p.stop:
+        tok = seq.output_token_ids[-1]
+        why = finish_reason(tok, len(seq.output_token_ids), seq.num_tokens,
+                            eos_token_id=self.eos_token_id, ignore_eos=p.ignore_eos,
+                            max_tokens=p.max_tokens, max_len=self.config.max_model_len)
+        if why == "stop":                  # the end-of-sequence token
+            return SequenceStatus.FINISHED_STOPPED, tok, None
+        if p.stop:                         # stop strings: a text-level check on top
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
                 cut, reason = min(hits)
-                seq.text = text[:cut]
-                status = SequenceStatus.FINISHED_STOPPED
-        if status is None and (len(seq.output_token_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.config.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(seq, status, reason, now)
+                return SequenceStatus.FINISHED_STOPPED, reason, text[:cut]
+        if why == "length":
+            return SequenceStatus.FINISHED_LENGTH, None, None
+        return None, None, None
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, reason, now: float) -> None:
-        seq.status = status
+    def _append(self, seq: Sequence, tok: int, now: float) -> None:
+        seq.output_token_ids.append(tok)
+        seq.token_times.append(now)
+        status, reason, text = self._stop_check(seq)
+        if status is not None:
+            self._finish(seq, status, reason, now, text)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason, now: float,
+                text: str | None = None) -> None:
+        """End a sequence: its final text, then its blocks and seat are freed."""
+        self._end(seq, status, reason, now, text)
+        self.scheduler.finish(seq)
+        if seq.request.finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    def _end(self, seq: Sequence, status: SequenceStatus, reason, now: float,
+             text: str | None = None) -> None:
+        """Set a sequence's final state (status, reason, text); the queues are not touched."""
+        if text is None:
+            toks = seq.output_token_ids
+            if status is SequenceStatus.FINISHED_STOPPED:      # the EOS token is not text
+                toks = toks[:-1]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        seq.text = text
         seq.stop_reason = reason
         seq.finish_time = now
-        if not isinstance(reason, str):
-            toks = seq.output_token_ids
-            if status is SequenceStatus.FINISHED_STOPPED:
-                toks = toks[:-1]
-            seq.text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        self.scheduler.finish(seq)
+        seq.status = status
+
+    def _recover(self) -> None:
+        """After a step failed part-way: every unfinished sequence back to waiting, with
+        no block held (see :meth:`step`). Works from the requests the engine knows, so it
+        does not matter at which instruction the step stopped."""
+        now = self.now()
+        unfinished = []
+        for req in list(self.requests.values()):
+            if len(req.seqs) < req.params.n and any(s.output_token_ids for s in req.seqs):
+                # stopped while forking its n completions: the request starts over
+                parent = req.seqs[0]
+                del req.seqs[1:]
+                parent.output_token_ids.clear()
+                parent.token_times.clear()
+                parent.status, parent.text = SequenceStatus.WAITING, ""
+                parent.stop_reason = parent.finish_time = None
+                parent.generator = self._generator(req.params, 0)
+            for seq in req.seqs:
+                saved = self._rng_states.get(seq.seq_id)
+                if saved is not None and saved[0] == len(seq.output_token_ids):
+                    seq.generator.set_state(saved[1])
+                if seq.finished:
+                    continue
+                if seq.output_token_ids:       # its last token may not have been checked
+                    status, reason, text = self._stop_check(seq)
+                    if status is not None:
+                        self._end(seq, status, reason, now, text)
+                        continue
+                unfinished.append(seq)
+            if req.finished:
+                del self.requests[req.request_id]
+        self._rng_states = {}
+        self.scheduler.reset(unfinished)
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request: its unfinished completions end with finish_reason ``"abort"``
+        (keeping the tokens they have), leave the waiting and running queues and free
+        their KV blocks. Returns False if the request is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        now = self.now()
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED, None, now)
+        return True
 
     def _record(self, work: SchedulerOutput, start: float, seats: list[int]) -> None:
         prefill = sum(s.num_new for s in work.scheduled if s.prefill)
@@ -289,17 +412,53 @@ class LLMEngine:
                                f"running={len(self.scheduler.running)})")
         time.sleep(max(0.0, min(nxt - self.now(), 0.05)))
 
-    def run(self, requests: list[Request], on_step=None) -> None:
-        """Step until every request is finished; waits for requests not yet arrived."""
-        t = self.now()
-        while self.has_unfinished():
+    def _step_until(self, requests: list[Request] | None) -> Iterator[list]:
+        """Step until ``requests`` (None: every request) are finished, waiting for those
+        not yet arrived; yields what each step produced."""
+        def done() -> bool:
+            if requests is None:
+                return not self.has_unfinished()
+            return all(r.finished for r in requests)
+
+        while not done():
+            if not self.has_unfinished():
+                raise RuntimeError("a request is unfinished but the scheduler holds no "
+                                   "sequence; this is a bug")
             start = self.now()
             produced = self.step()
-            if on_step is not None:
-                on_step(produced)
             if self.idle:
                 self._wait_for_arrival(start)
-        self.stats.wall_s += self.now() - t
+            yield produced
+
+    def run(self, requests: list[Request] | None = None, on_step=None) -> None:
+        """Step until ``requests`` are finished (None: every queued request); waits for
+        requests that have not arrived yet. ``on_step(produced)`` is called after each
+        step. An exception leaves the engine usable (see :meth:`step`) and is re-raised."""
+        t = self.now()
+        try:
+            for produced in self._step_until(requests):
+                if on_step is not None:
+                    on_step(produced)
+        finally:
+            self.stats.wall_s += self.now() - t
+
+
+def settled_length(text: str, stop: Seq[str]) -> int:
+    """How much of a completion's decoded ``text`` may be shown while it is running.
+
+    Held back: a trailing half character (U+FFFD until its other bytes arrive) and a tail
+    that could be the beginning of a stop string — the next tokens may complete it, and
+    then it must never have been shown. Everything before that is final.
+    """
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    longest = max((len(s) for s in stop), default=0)
+    for start in range(max(0, end - longest + 1), end):
+        tail = text[start:end]
+        if any(s.startswith(tail) for s in stop):
+            return start
+    return end
 
 
 def _as_params(sampling_params, n: int) -> list[SamplingParams]:
@@ -319,22 +478,28 @@ class LLM:
 
     ``model``: a registered name (``"smollm2-135m"``, ``"tiny-llama"``) or an already
     loaded llmlab model (then pass ``tokenizer`` unless the model was loaded by name).
-    ``scheduler``: ``"continuous"`` or ``"static"`` (the padded baseline).
+    ``scheduler``: ``"continuous"`` or ``"static"`` (the padded baseline), or a function
+    ``(scheduler, now) -> SchedulerOutput`` that replaces the continuous one-step decision
+    (see :class:`~llmlab.engine.scheduler.Scheduler`).
     ``kv_cache``: ``"paged"`` (the engine's only cache). ``num_blocks``: KV blocks of
     ``block_size`` tokens in the pool (default: what 512 MiB holds, at most enough for
     ``max_num_seqs`` full-context sequences). ``attention``: the dense backend used when
-    loading by name (prompts from scratch use it). ``enable_chunked_prefill``: prompts
+    loading by name (prompts from scratch use its varlen form). ``paged_attention``: the
+    backend that reads K/V from the pool, for decodes and for prompts that continue a
+    cached prefix (``"paged_sdpa"``, ``"paged"``, ``"paged_triton"``; default
+    ``"paged_triton"`` on a GPU, ``"paged_sdpa"`` elsewhere; ``decode_attention`` is its
+    deprecated old name). ``enable_chunked_prefill``: prompts
     are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
     :mod:`llmlab.engine.scheduler`).
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
-                 scheduler: str = "continuous", block_size: int = 16,
+                 scheduler: str | Callable = "continuous", block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
-                 attention: str = "sdpa", decode_attention: str | None = None, device=None,
-                 seed: int = 0):
+                 attention: str = "sdpa", paged_attention: str | None = None, device=None,
+                 seed: int = 0, decode_attention: str | None = None):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -359,15 +524,15 @@ class LLM:
                                 max_model_len=max_model_len,
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                decode_attention=decode_attention, seed=seed)
+                                paged_attention=paged_attention, seed=seed,
+                                decode_attention=decode_attention)
 
     # -- inputs ------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
-            return prompt.get("prompt"), ids
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a string, a list of token ids or "
@@ -387,17 +552,33 @@ class LLM:
                 raise ValueError(f"arrival_times must be {len(prompts)} offsets >= 0 (seconds "
                                  "after the call)")
         eng = self.engine
+        encoded = [self._encode(p) for p in prompts]       # every prompt checked before any
+        for i, (_, ids) in enumerate(encoded):              # is queued
+            try:
+                eng.check_token_ids(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         eng.stats = EngineStats()
         base = eng.now()
         order = range(len(prompts))
         if arrival_times is not None:   # the waiting queue is kept in arrival order
             order = sorted(order, key=lambda i: arrival_times[i])
         reqs: list[Request | None] = [None] * len(prompts)
-        for i in order:
-            text, ids = self._encode(prompts[i])
-            at = base + (arrival_times[i] if arrival_times is not None else 0.0)
-            reqs[i] = eng.add_request(ids, params[i], text, at)
+        try:
+            for i in order:
+                text, ids = encoded[i]
+                at = base + (arrival_times[i] if arrival_times is not None else 0.0)
+                reqs[i] = eng.add_request(ids, params[i], text, at)
+        except BaseException:
+            self._abort(reqs)
+            raise
         return reqs
+
+    def _abort(self, reqs: list[Request | None]) -> None:
+        """A call failed or was interrupted: its unfinished requests are aborted."""
+        for r in reqs:
+            if r is not None and not r.finished:
+                self.engine.abort_request(r.request_id)
 
     # -- the API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
@@ -411,6 +592,10 @@ class LLM:
         seconds after the call at which each request arrives (simulated load); by
         default all arrive at once. Per-request metrics are on ``output.metrics``;
         the engine's step log is ``llm.stats``.
+
+        A token id outside the vocabulary raises ValueError before anything runs. If
+        the call fails or is interrupted, its requests are aborted (their blocks
+        freed), the exception reaches the caller, and the LLM stays usable.
         """
         reqs = self._submit(prompts, sampling_params, arrival_times)
         bar = None
@@ -430,9 +615,12 @@ class LLM:
                     done.add(r.request_id)
                     bar.update(1)
 
-        on_step(None)
         try:
+            on_step(None)
             self.engine.run(reqs, on_step)
+        except BaseException:              # KeyboardInterrupt too: the engine stays usable
+            self._abort(reqs)
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -458,31 +646,46 @@ class LLM:
 
     def stream(self, prompts, sampling_params: SamplingParams | list | None = None
                ) -> Iterator[TokenEvent]:
-        """Yield each new token as the engine produces it (all prompts interleaved)."""
+        """Yield each new token as the engine produces it (all prompts interleaved).
+
+        The ``text`` of a completion's events concatenates exactly to its final text:
+        text that might be the start of a stop string (or half a character) is held back
+        until the next tokens decide, so nothing past a stop string is ever shown.
+        Stopping early (``break``, ``close()``, or dropping the generator) aborts the
+        call's unfinished requests, as does an exception inside the loop.
+        """
         reqs = self._submit(prompts, sampling_params, None)
         index = {r.request_id: i for i, r in enumerate(reqs)}
         shown: dict[int, str] = {}
         eng = self.engine
         t = eng.now()
-        while eng.has_unfinished():
-            start = eng.now()
-            produced = eng.step()
-            if eng.idle:
-                eng._wait_for_arrival(start)
-            for seq, tok in produced:
-                key = seq.seq_id
-                if seq.finished:
-                    text = seq.text
-                else:
-                    text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-                    if text.endswith("\ufffd"):     # half a character: wait for the rest
-                        text = shown.get(key, "")
-                before = shown.get(key, "")
-                delta = text[len(before):] if text.startswith(before) else text
-                shown[key] = text
-                yield TokenEvent(index[seq.request.request_id], seq.index, tok, delta,
-                                 seq.finished, seq.status.value if seq.finished else None)
-        eng.stats.wall_s += eng.now() - t
+        try:
+            for produced in eng._step_until(reqs):
+                for seq, tok in produced:
+                    i = index.get(seq.request.request_id)
+                    if i is None:          # a request of another call sharing the engine
+                        continue
+                    yield TokenEvent(i, seq.index, tok, self._new_text(seq, shown),
+                                     seq.finished, seq.status.value if seq.finished else None)
+        except BaseException:              # GeneratorExit too: the caller stopped reading
+            self._abort(reqs)
+            raise
+        finally:
+            eng.stats.wall_s += eng.now() - t
+
+    def _new_text(self, seq: Sequence, shown: dict[int, str]) -> str:
+        """The text a completion adds since the last event (``shown`` keeps what each
+        completion has shown so far)."""
+        before = shown.get(seq.seq_id, "")
+        if seq.finished:
+            text = seq.text
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = text[:settled_length(text, seq.request.params.stop)]
+        if not text.startswith(before):    # decoding rewrote earlier text: wait until it agrees
+            return ""
+        shown[seq.seq_id] = text
+        return text[len(before):]
 
     @property
     def stats(self) -> EngineStats:
@@ -490,4 +693,4 @@ class LLM:
         return self.engine.stats
 
 
-__all__ = ["LLM", "LLMEngine", "EngineStats", "StepRecord", "TokenEvent"]
+__all__ = ["LLM", "LLMEngine", "EngineStats", "StepRecord", "TokenEvent", "settled_length"]

@@ -27,12 +27,16 @@ Two policies, chosen by name (``SchedulerConfig.policy``):
   which also advances the decodes. Its first token comes after its last chunk.
 
 The scheduler owns the block manager calls (``allocate``, ``append_slot``, ``free``),
-so the runner only executes what it is given. Taught in notebook 05.
+so the runner only executes what it is given. The continuous policy's one-step decision
+is a plain function of the scheduler, so a hand-written one can replace it:
+``Scheduler(config, bm, schedule_fn=my_schedule)`` or ``LLM(..., scheduler=my_schedule)``
+(see :class:`Scheduler`). Taught in notebook 05.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..cache.block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -101,11 +105,30 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue, running set and seat map over one :class:`BlockManager`."""
+    """Waiting queue, running set and seat map over one :class:`BlockManager`.
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    ``schedule_fn``: a function that replaces the policy's one-step decision, called as
+    ``schedule_fn(scheduler, now) -> SchedulerOutput``; it has the signature of the
+    method :meth:`_schedule_continuous` (``self`` is the scheduler), so that method's
+    source is a working starting point. It may read and change ``scheduler.waiting``
+    (a deque, arrival order), ``scheduler.running`` (admission order), ``scheduler.bm``
+    and ``scheduler.config``, and use the helpers the built-in policy uses:
+    ``in_prefill(seq)``, ``_schedule_decodes(out, decoding)`` (a decode slot for each,
+    preempting the newest when blocks run out), ``_seats_in_use()``,
+    ``_seats_needed(seq)`` and ``_admit(seq, out, limit)`` (allocate a waiting
+    sequence's blocks, move it to running and schedule its prompt). Every sequence it
+    schedules must hold slots for the tokens it feeds: ``num_new`` tokens from
+    ``seq.num_computed`` on. If it raises, the engine recovers as from any failed step.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 schedule_fn: Callable[["Scheduler", float], SchedulerOutput] | None = None):
+        if schedule_fn is not None and not callable(schedule_fn):
+            raise ValueError(f"schedule_fn must be a function (scheduler, now) -> "
+                             f"SchedulerOutput; got {type(schedule_fn).__name__}")
         self.config = config
         self.bm = block_manager
+        self.schedule_fn = schedule_fn
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # admission order, oldest first
         self.batch: list[Sequence] = []            # static: the current batch's members
@@ -134,13 +157,39 @@ class Scheduler:
         return self.waiting[0].request.arrival_time if self.waiting else None
 
     def finish(self, seq: Sequence) -> None:
-        """A sequence is done: free its blocks; under ``continuous`` its seat frees too."""
+        """A sequence is done (or aborted): free its blocks and take it out of the
+        queues; under ``continuous`` its seat frees too."""
         if self.bm.has_seq(seq.seq_id):
             self.bm.free(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         if self.config.policy == "continuous":
             self._release_seat(seq)
+
+    def reset(self, unfinished: list[Sequence]) -> None:
+        """Start over after a step failed part-way: no sequence holds a block any more.
+
+        ``unfinished``: the sequences to keep. They all go back to the waiting queue, to
+        be prefilled again from their tokens (as if every running sequence had been
+        preempted): the running ones first, oldest first, then the waiting queue in its
+        order. Blocks whose K/V were written stay in the prefix cache, so the recompute
+        is mostly cache hits; blocks of the failed step were never registered there.
+        """
+        keep = {id(s): s for s in unfinished}
+        order: dict[int, Sequence] = {}
+        for s in [*self.running, *self.waiting, *unfinished]:
+            if id(s) in keep:
+                order.setdefault(id(s), s)
+        for seq_id in self.bm.seq_ids():
+            self.bm.free(seq_id)
+        for s in order.values():
+            s.num_computed = 0
+            s.status = SequenceStatus.WAITING
+            s.slot = None
+        self.waiting = deque(order.values())
+        self.running, self.batch, self.seats = [], [], {}
 
     # -- seats (for the occupancy picture and the max_num_seqs limit) ---------------------
     def _take_seat(self, seq: Sequence) -> None:
@@ -221,16 +270,14 @@ class Scheduler:
         return self.bm.has_seq(seq.seq_id) and self.bm.num_tokens(seq.seq_id) > seq.num_computed
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, limit: int | None = None) -> int:
-        """Allocate the sequence's blocks and schedule its prefill (at most ``limit``
+        """Allocate a waiting sequence's blocks and schedule its prefill (at most ``limit``
         tokens of it); returns the tokens scheduled."""
-        self.waiting.popleft()
-        chunked = self.config.enable_chunked_prefill
-        # a chunked prompt's blocks join the prefix cache only once computed
-        cached = self.bm.allocate(seq.seq_id, seq.all_token_ids, defer_caching=chunked)
+        cached = self.bm.allocate(seq.seq_id, seq.all_token_ids)
         seq.num_computed = cached
         seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)      # running before it leaves the queue: never in neither
+        self.waiting.remove(seq)
         self._take_seat(seq)
-        self.running.append(seq)
         n = seq.num_uncomputed if limit is None else min(seq.num_uncomputed, limit)
         out.scheduled.append(ScheduledSeq(seq, n))
         return n
@@ -238,6 +285,8 @@ class Scheduler:
     # -- policies ----------------------------------------------------------------------------
     def schedule(self, now: float = float("inf")) -> SchedulerOutput:
         """Decide the next step. ``now``: the engine clock; requests arriving later wait."""
+        if self.schedule_fn is not None:
+            return self.schedule_fn(self, now)
         if self.config.policy == "continuous":
             return self._schedule_continuous(now)
         return self._schedule_static(now)

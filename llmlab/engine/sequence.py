@@ -7,6 +7,9 @@ A *request* is one prompt with its :class:`SamplingParams`; it owns ``n`` *seque
        ^                  |
        +-----preempt------+        (blocks freed; recomputed later from its tokens)
 
+A step that fails part-way sends its running sequences back to WAITING the same way;
+``abort`` (from either state) ends a sequence as FINISHED_ABORTED.
+
 and keeps everything the scheduler needs: its tokens, how many of them already have
 K/V in the cache (``num_computed``), its batch slot, its random generator and the
 times its tokens came out (for TTFT / TPOT). Taught in notebook 05.
@@ -14,12 +17,12 @@ times its tokens came out (for TTFT / TPOT). Taught in notebook 05.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..profiling.metrics import RequestMetrics
+from ..sampling import check_sampling_args
 
 
 @dataclass
@@ -45,28 +48,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 "
-                             "(0 means greedy)")
-        if (not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool)
-                or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.top_p is None:   # None and 1.0 both mean no top-p filter
+            self.top_p = 1.0
+        # the same validator as llmlab.generate: both accept and refuse the same values
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed)
         if self.top_k == -1:
             self.top_k = None
-        if self.top_k is not None and (not isinstance(self.top_k, int)
-                                       or isinstance(self.top_k, bool) or self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 1, or None / -1 (disabled)")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of them")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed={self.seed!r} must be an int or None")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n={self.n} needs temperature > 0: greedy decoding would give "
                              f"{self.n} identical completions")
@@ -81,7 +73,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_STOPPED = "stop"        # end-of-sequence token or a stop string
     FINISHED_LENGTH = "length"       # max_tokens or the context limit
-    FINISHED_REJECTED = "rejected"   # could never run (too long for the context or the pool)
+    FINISHED_ABORTED = "abort"       # LLMEngine.abort_request, or its call was interrupted
 
     @property
     def finished(self) -> bool:
@@ -149,8 +141,13 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (len(self.seqs) == self.params.n
-                                          and all(s.finished for s in self.seqs))
+        if self.error is not None or self.aborted:
+            return True
+        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.status is SequenceStatus.FINISHED_ABORTED for s in self.seqs)
 
 
 @dataclass
@@ -160,7 +157,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop", "length", or None while running
+    finish_reason: str | None        # "stop", "length", "abort", or None while running
     stop_reason: str | int | None = None   # the stop string or EOS id that ended it
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_preemptions: int = 0

@@ -1,8 +1,26 @@
-"""Check functions for the exercises of notebook 02 (KV cache and the roofline)."""
+"""Exercises of notebook 02 (the KV cache, and the roofline).
+
+- ``nb02.kv_cache`` (build): the cache's ``append``, ``attend`` and ``advance``, written in a
+  subclass of :class:`KVCacheBase` (which holds the storage and hands out positions);
+  ``llmlab.generate`` runs SmolLM2 with it and must give the tokens of ``kv_cache="none"``.
+- ``nb02.kv_bytes_7b``, ``nb02.compute_bound_batch`` (compute): cache size and the roofline.
+- ``nb02.predict_batch_decode`` (predict): how much longer a decode step takes at batch 16.
+- ``nb02.explain_decode_intensity`` (explain): why a decode step sits at ≈ 0.5 FLOP/byte.
+- ``nb02.padded_kv_cache`` (stretch): the same cache for a left-padded batch of prompts.
+"""
 from __future__ import annotations
 
+import functools
+import statistics
+
+import torch
+
 from ..config import ModelConfig
-from . import say, unanswered
+from . import (Verdict, choice_verdict, compare_tensors, exercise, first_token_difference,
+               number_verdict, right, wrong)
+
+NOTEBOOK = "02_kv_cache_and_roofline"
+PROMPT = "The history of the printing press"
 
 # Llama-2-7B: 32 layers, 32 heads of dim 128, no grouped-query attention.
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -10,28 +28,316 @@ LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11
                         max_position_embeddings=4096)
 
 
-def check_kv_bytes_7b(answer) -> bool:
-    """KV-cache bytes per token of Llama-2-7B in float16 (2 · 32 · 32 · 128 · 2)."""
+class KVCacheBase:
+    """The bookkeeping of a contiguous KV cache, for the notebook-02 exercise.
+
+    Given: the storage, per layer ``k[layer]`` and ``v[layer]`` of shape
+    ``[batch, kv_heads, max_len, head_dim]`` (zeros, allocated once); ``length``, the
+    number of slots filled and committed; ``pending``, the number of new tokens
+    announced by :meth:`begin` for the forward under way; and :meth:`begin` itself.
+
+    Yours (in a subclass): :meth:`append`, :meth:`attend` and :meth:`advance`. One step::
+
+        positions = cache.begin(num_new)        # announce num_new tokens per row
+        model(ids, positions=positions, cache=cache)   # each layer calls cache.attend(...)
+        cache.advance()                         # commit them
+
+    Rows of a batch must not be padded here (the stretch exercise adds padding).
+    """
+
+    name = "exercise"
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        for label, value in (("num_layers", num_layers), ("batch", batch),
+                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                             ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        self.num_layers, self.batch, self.max_len = num_layers, batch, max_len
+        self.device = torch.device(device)
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0      # slots 0 .. length-1 hold committed tokens
+        self.pending = 0     # new tokens announced by begin(), committed by advance()
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_len: int) -> "KVCacheBase":
+        """A cache shaped for ``model``, on its device and in its dtype (the factory that
+        ``llmlab.cache.register`` expects)."""
+        c = model.config
+        return cls(c.num_layers, batch, c.num_kv_heads, c.head_dim, max_len,
+                   dtype=model.dtype, device=model.device)
+
+    def begin(self, num_new: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Announce ``num_new`` tokens per row; returns their positions [batch, num_new]."""
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("this cache takes unpadded rows only; a left-padded batch needs "
+                             "the stretch exercise's cache")
+        if not isinstance(num_new, int) or num_new < 1:
+            raise ValueError(f"num_new={num_new!r} must be a positive int")
+        if self.length + num_new > self.max_len:
+            raise ValueError(f"{num_new} new tokens do not fit: {self.length} of max_len="
+                             f"{self.max_len} slots are used")
+        self.pending = num_new
+        return torch.arange(self.length, self.length + num_new,
+                            device=self.device).expand(self.batch, num_new)
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' k, v [batch, num_new, kv_heads, head_dim] of one layer."""
+        raise NotImplementedError
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend) -> torch.Tensor:
+        """Append k, v, then attend q [batch, num_new, heads, head_dim] over every stored
+        token of this layer; returns [batch, num_new, heads, head_dim]."""
+        raise NotImplementedError
+
+    def advance(self) -> None:
+        """Commit the tokens announced by :meth:`begin`."""
+        raise NotImplementedError
+
+
+# ---- the reference cache and three realistic mistakes ------------------------------------------
+
+class _SolutionKVCache(KVCacheBase):
+    def append(self, layer_idx, k, v):
+        start, end = self.length, self.length + k.shape[1]
+        self.k[layer_idx][:, :, start:end] = k.transpose(1, 2)
+        self.v[layer_idx][:, :, start:end] = v.transpose(1, 2)
+
+    def attend(self, layer_idx, q, k, v, backend):
+        self.append(layer_idx, k, v)
+        end = self.length + k.shape[1]
+        keys = self.k[layer_idx][:, :, :end].transpose(1, 2)      # [batch, end, kv_heads, d]
+        values = self.v[layer_idx][:, :, :end].transpose(1, 2)
+        return backend.forward(q, keys, values, causal=True)
+
+    def advance(self):
+        self.length += self.pending
+        self.pending = 0
+
+
+class _OverwritesSlotZero(_SolutionKVCache):
+    def append(self, layer_idx, k, v):
+        n = k.shape[1]
+        self.k[layer_idx][:, :, :n] = k.transpose(1, 2)
+        self.v[layer_idx][:, :, :n] = v.transpose(1, 2)
+
+
+class _AttendsNewOnly(_SolutionKVCache):
+    def attend(self, layer_idx, q, k, v, backend):
+        self.append(layer_idx, k, v)
+        return backend.forward(q, k, v, causal=True)
+
+
+class _ForgetsAdvance(_SolutionKVCache):
+    def advance(self):
+        self.pending = 0
+
+
+# ---- the checker --------------------------------------------------------------------------------
+
+def _slot_problem(stored: torch.Tensor, keys: torch.Tensor, end: int, newest: int) -> str | None:
+    """None when slots 0..end-1 of ``stored`` [b, kv, max_len, d] hold tokens 0..end-1 of
+    ``keys`` [b, n, kv, d]; else which slot holds what."""
+    got = stored[:, :, :end].transpose(1, 2)
+    for i in range(end):
+        if torch.allclose(got[:, i], keys[:, i]):
+            continue
+        holds = [j for j in range(keys.shape[1]) if torch.allclose(got[:, i], keys[:, j])]
+        what = (f"the keys of token {holds[0]}" if holds else
+                "zeros (nothing was written there)" if not bool(got[:, i].any()) else
+                "something that is no token's keys")
+        msg = f"after appending token {newest}, slot {i} holds {what}; it should hold token {i}'s."
+        if i == 0 and holds and holds[0] == newest:
+            msg += " Each append overwrites slot 0."
+        return msg
+    return None
+
+
+def _check_small(cls) -> Verdict | None:
+    """Drive the cache by hand on small tensors: a prefill of 5, then 3 decode steps."""
+    from .. import attention as A
+
+    backend = A.get("naive")
+    g = torch.Generator().manual_seed(0)
+    layers, batch, heads, kv_heads, d, total = 2, 2, 4, 2, 8, 8
+    qs = [torch.randn(batch, total, heads, d, generator=g) for _ in range(layers)]
+    ks = [torch.randn(batch, total, kv_heads, d, generator=g) for _ in range(layers)]
+    vs = [torch.randn(batch, total, kv_heads, d, generator=g) for _ in range(layers)]
+    cache = cls(layers, batch, kv_heads, d, 12)
+    start = 0
+    for n in (5, 1, 1, 1):
+        end = start + n
+        step = "the prefill of 5 tokens" if n > 1 else f"the decode step of token {start}"
+        cache.begin(n)
+        for layer in range(layers):
+            q, k, v = qs[layer][:, start:end], ks[layer][:, start:end], vs[layer][:, start:end]
+            out = cache.attend(layer, q, k, v, backend)
+            stored = getattr(cache, "k", None)
+            if isinstance(stored, list) and len(stored) == layers:
+                problem = _slot_problem(stored[layer], ks[layer], end, end - 1)
+                if problem:
+                    return wrong(f"in {step}: {problem}",
+                                 "append writes the new tokens at slots [self.length, "
+                                 "self.length + num_new) of self.k[layer] and self.v[layer], "
+                                 "laid out [batch, kv_heads, max_len, head_dim].")
+            want = backend.forward(q, ks[layer][:, :end], vs[layer][:, :end], causal=True)
+            problem = compare_tensors(out, want, f"the output of {step} (layer {layer})", 1e-5)
+            if problem:
+                if isinstance(out, torch.Tensor) and out.shape == want.shape and torch.allclose(
+                        out, backend.forward(q, k, v, causal=True), atol=1e-5):
+                    return wrong(f"in {step}: your output equals attention over only the new "
+                                 f"token{'s' if n > 1 else ''}: the query must also see the "
+                                 f"{start} tokens stored before.",
+                                 "attend over slots [0, self.length + num_new) of the cache, "
+                                 "not over the k, v passed in.")
+                return wrong(problem, "backend.forward(q, keys, values, causal=True) with keys "
+                                      "and values read from the cache as [batch, seq, kv_heads, "
+                                      "head_dim] (transpose(1, 2)).")
+        cache.advance()
+        if cache.length != end:
+            return wrong(f"after {step} and advance(), cache.length is {cache.length}; it should "
+                         f"be {end}. The next tokens would get the wrong positions and overwrite "
+                         "the stored ones.",
+                         "advance() must add the announced tokens (self.pending) to self.length.")
+        start = end
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def _reference_tokens(prompts: tuple[tuple[int, ...], ...], new_tokens: int):
+    """Greedy tokens (and the per-token arrival times) of SmolLM2 without a cache."""
+    from ..generate import generate
+    from .nb01 import smollm2
+
+    model, tok = smollm2()
+    model.set_attention("sdpa")
+    try:
+        gens = generate(model, tok, [list(p) for p in prompts], max_new_tokens=new_tokens,
+                        ignore_eos=True)
+    finally:
+        model.set_attention("naive")
+    return [g.token_ids for g in gens], gens[0].token_times_s
+
+
+def _generate_with(cls, prompts: list[list[int]], new_tokens: int):
+    """Generate with ``cls`` registered as a cache; returns (generations, positions per step)."""
+    from .. import cache as kv_caches
+    from ..generate import generate
+    from .nb01 import smollm2
+
+    model, tok = smollm2()
+    name = "nb02-yours"
+    kv_caches.register(name, cls.for_model)
+    fed = []
+    hook = model.layers[0].register_forward_pre_hook(lambda mod, args: fed.append(args[0].shape[1]))
+    model.set_attention("sdpa")
+    try:
+        gens = generate(model, tok, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                        kv_cache=name)
+    finally:
+        hook.remove()
+        model.set_attention("naive")
+        kv_caches._FACTORIES.pop(name, None)
+    return gens, fed
+
+
+def _step_ratio(times_s: list[float], window: int) -> tuple[float, float, float]:
+    """Median step time of the first ``window`` decode steps and of the last ``window``."""
+    steps = [b - a for a, b in zip(times_s, times_s[1:])]   # steps[0]: the first decode step
+    early, late = statistics.median(steps[:window]), statistics.median(steps[-window:])
+    return early, late, late / early
+
+
+def _check_generation(cls, prompts: list[list[int]], new_tokens: int):
+    """-> (a failing verdict or None, the generations, positions fed per step)."""
+    ref_tokens, _ = _reference_tokens(tuple(tuple(p) for p in prompts), new_tokens)
+    gens, fed = _generate_with(cls, prompts, new_tokens)
+    for i, (g, want) in enumerate(zip(gens, ref_tokens)):
+        diff = first_token_difference(g.token_ids, want)
+        if diff:
+            row = f"prompt {i}: " if len(prompts) > 1 else ""
+            return wrong(f"the small cases pass, but llmlab.generate with your cache differs "
+                         f"from kv_cache=\"none\": {row}{diff}",
+                         "run generate(..., kv_cache=...) by hand and compare the texts."), gens, fed
+    return None, gens, fed
+
+
+NEW_TOKENS = 32
+WINDOW = 6
+
+
+@exercise("nb02.kv_cache", notebook=NOTEBOOK, kind="build",
+          title="kv_cache: append, attend over the cached keys, advance; "
+                "generate gives the no-cache tokens",
+          solution=_SolutionKVCache,
+          wrong_variants={"append overwrites slot 0": (_OverwritesSlotZero, ("slot 0",)),
+                          "attends only to the new token": (_AttendsNewOnly, ("only the new",)),
+                          "forgets to advance length": (_ForgetsAdvance, ("advance", "length"))})
+def _check_kv_cache(cls, **_) -> Verdict:
+    if not isinstance(cls, type):
+        return wrong(f"expected your cache class (e.g. MyKVCache), got {type(cls).__name__}.",
+                     "pass the class itself, not an instance: exercises.check(..., MyKVCache).")
+    verdict = _check_small(cls)
+    if verdict is not None:
+        return verdict
+    from .nb01 import smollm2
+
+    _, tok = smollm2()
+    prompt = tok(PROMPT)["input_ids"]
+    verdict, gens, fed = _check_generation(cls, [prompt], NEW_TOKENS)
+    if verdict is not None:
+        return verdict
+    # What the model computed per step (counted at its first layer), and how long a step took
+    # early and late in the generation (medians of WINDOW steps each).
+    early, late, ratio = _step_ratio(gens[0].token_times_s, WINDOW)
+    if ratio > 4:      # a loaded machine can spike; measure once more before saying "grows"
+        gens, fed = _generate_with(cls, [prompt], NEW_TOKENS)
+        early, late, ratio = _step_ratio(gens[0].token_times_s, WINDOW)
+        if ratio > 4:
+            return wrong(f"the tokens are right, but a decode step takes {late * 1e3:.0f} ms "
+                         f"late in the generation against {early * 1e3:.0f} ms early "
+                         f"({ratio:.1f}×): your cache's cost grows with the length.",
+                         "write into the preallocated tensors in place (no torch.cat) and read "
+                         "only slots [0, self.length + num_new).")
+    p = len(prompt)
+    no_cache = sum(p + t for t in range(NEW_TOKENS))
+    return right(f"{NEW_TOKENS} greedy tokens identical to kv_cache=\"none\". The model computed "
+                 f"{sum(fed)} token positions ({fed[0]} for the prompt, then "
+                 f"{'/'.join(str(n) for n in sorted(set(fed[1:])))} per step) where the no-cache "
+                 f"loop computes {no_cache} ({no_cache / sum(fed):.0f}× more). A decode step "
+                 f"took {early * 1e3:.0f} ms (median) with {p + 1}–{p + WINDOW} tokens in the "
+                 f"sequence and {late * 1e3:.0f} ms with {p + NEW_TOKENS - WINDOW}–"
+                 f"{p + NEW_TOKENS - 1}: {ratio:.2f}×, flat.")
+
+
+# ---- compute: bytes and the roofline -----------------------------------------------------------
+
+@exercise("nb02.kv_bytes_7b", notebook=NOTEBOOK, kind="compute",
+          title="KV-cache bytes per token of Llama-2-7B in float16",
+          solution=2 * 32 * 32 * 128 * 2,
+          wrong_variants={"K only": (32 * 32 * 128 * 2, ("K or V",)),
+                          "4-byte floats": (2 * 32 * 32 * 128 * 4, ("2 bytes",)),
+                          "one layer": (2 * 32 * 128 * 2, ("every layer",))})
+def _check_kv_bytes_7b(answer, **_) -> Verdict:
     from ..cache import kv_bytes_per_token
 
     expected = kv_bytes_per_token(LLAMA2_7B, 2)
-    if unanswered(answer):
-        return say(False, "", "fill in `answer` with an integer number of bytes")
-    if not isinstance(answer, (int, float)):
-        return say(False, "", f"expected a number of bytes, got {type(answer).__name__}")
-    if answer == expected:
-        return say(True, f"{expected:,} bytes = {expected / 2**20:.2f} MiB per token; a full "
-                          f"4096-token sequence needs {4096 * expected / 2**30:.1f} GiB",
-                    "")
-    if answer == expected // 2:
-        hint = "you counted K or V, not both"
-    elif answer == expected * 2:
-        hint = "float16 is 2 bytes per element, not 4"
-    elif answer == expected // 32:
-        hint = "every layer has its own K and V"
-    else:
-        hint = "2 (K and V) · layers · kv_heads · head_dim · bytes per element"
-    return say(False, "", f"got {answer:,}; {hint}")
+    hints = {expected // 2: "you counted K or V, not both.",
+             expected * 2: "float16 is 2 bytes per element, not 4.",
+             expected // 32: "every layer has its own K and V."}
+    if answer in hints and not isinstance(answer, bool):
+        return wrong(f"{answer:,} bytes: {hints[answer]}",
+                     "2 (K and V) · layers · kv_heads · head_dim · bytes per element.")
+    return number_verdict(answer, expected, good=(
+        f"{expected:,} bytes = {expected / 2**20:.2f} MiB per token; a full 4096-token sequence "
+        f"needs {4096 * expected / 2**30:.1f} GiB, a sizeable part of a GPU next to the 13.5 GB "
+        "of float16 weights."),
+        hint="2 (K and V) · layers · kv_heads · head_dim · bytes per element.")
 
 
 def smallest_compute_bound_batch(config: ModelConfig, context: int, ridge_point: float,
@@ -45,22 +351,204 @@ def smallest_compute_bound_batch(config: ModelConfig, context: int, ridge_point:
     return None
 
 
-def check_compute_bound_batch(answer, config: ModelConfig, context: int = 512,
-                              ridge_point: float = 10.0) -> bool:
-    """The smallest batch size at which a decode step (``context`` cached tokens, float32)
-    reaches ``ridge_point`` FLOP/byte."""
+@functools.lru_cache(maxsize=1)
+def _smollm2_config() -> ModelConfig:
+    from ..models.registry import model_dir
+
+    return ModelConfig.from_file(model_dir("smollm2-135m"))
+
+
+@exercise("nb02.compute_bound_batch", notebook=NOTEBOOK, kind="compute",
+          title="the smallest batch at which a SmolLM2 decode step (512 cached tokens) "
+                "reaches a ridge point of 10 FLOP/byte",
+          solution=101,
+          wrong_variants={"batch / 2 guess": (20, ("ignores the KV cache",)),
+                          "one too small": (100, ("too small",))})
+def _check_compute_bound_batch(answer, config: ModelConfig | None = None, context: int = 512,
+                               ridge_point: float = 10.0, **_) -> Verdict:
+    config = config or _smollm2_config()
     expected = smallest_compute_bound_batch(config, context, ridge_point)
-    if unanswered(answer):
-        return say(False, "", "fill in `answer` with an integer batch size")
-    if not isinstance(answer, int):
-        return say(False, "", f"expected an int batch size, got {type(answer).__name__}")
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        return wrong(f"expected an int batch size, got {answer!r}.",
+                     "loop over batch sizes with decode_cost(cfg, batch, 512).intensity.")
     if answer == expected:
-        return say(True, f"batch {expected}: each weight byte is reused by {expected} tokens, "
-                          "but every sequence also reads its own KV cache, so intensity "
-                          "saturates instead of growing forever", "")
+        return right(f"batch {expected}: each weight byte is reused by {expected} tokens, but "
+                     "every sequence also reads its own KV cache, so the intensity saturates "
+                     "instead of growing forever.")
     if answer == int(2 * ridge_point):
-        return say(False, "", f"got {answer}: batch/2 ignores the KV cache each sequence reads. "
-                               "Hint: use decode_cost(config, batch, context).intensity")
+        return wrong(f"{answer} is the batch/2 guess, which ignores the KV cache each sequence "
+                     "reads.", "use decode_cost(config, batch, context).intensity.")
     direction = "too small" if answer < expected else "not the smallest"
-    return say(False, "", f"got {answer}, {direction}. Hint: loop over batch sizes with "
-                           "llmlab.profiling.roofline.decode_cost(config, batch, context).intensity")
+    return wrong(f"batch {answer} is {direction}.",
+                 "loop over batch sizes with llmlab.profiling.roofline.decode_cost(config, "
+                 "batch, context).intensity.")
+
+
+# ---- predict: a decode step at batch 16 ---------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _measured_batch_ratio() -> float:
+    from .nb01 import smollm2
+
+    from ..viz.baseline import cached_step_times
+
+    model, _ = smollm2()
+    model.set_attention("sdpa")
+    try:
+        one, sixteen = (cached_step_times(model, [129], batch=b)[0].median_s for b in (1, 16))
+    finally:
+        model.set_attention("naive")
+    return sixteen / one
+
+
+_BATCH_CHOICES = {
+    "a": "about 16× longer: each of the 16 sequences needs its own arithmetic",
+    "b": "between 5× and 10× longer",
+    "c": "less than 5× longer",
+}
+
+
+@exercise("nb02.predict_batch_decode", notebook=NOTEBOOK, kind="predict",
+          title="predict: a decode step for 16 sequences against 1 (128 cached tokens)",
+          solution="c",
+          wrong_variants={"16x": ("a", ("measured", "weights")),
+                          "5-10x": ("b", ("measured",))})
+def _check_predict_batch_decode(answer, measured: float | None = None, **_) -> Verdict:
+    if measured is None:
+        measured = _measured_batch_ratio()
+    right_choice = "a" if measured >= 10 else "b" if measured >= 5 else "c"
+    letter = str(answer).strip().lower()[:1]
+    if letter not in _BATCH_CHOICES:
+        return wrong(f"{answer!r} is not one of the choices {sorted(_BATCH_CHOICES)}.",
+                     "answer with the letter of one choice, e.g. \"b\".")
+    why = (f"Measured here: {measured:.1f}×. A decode step at batch 1 reads all ~540 MB of "
+           "float32 weights to do ~2 FLOPs per weight; at batch 16 it reads them once and "
+           "uses each for 16 tokens, so the step costs far less than 16 single steps: "
+           "decode is memory-bound, and batching is how servers fill the idle arithmetic.")
+    if letter == right_choice:
+        return right(f"({letter}) {_BATCH_CHOICES[letter]}. {why}")
+    return wrong(f"you chose ({letter}) {_BATCH_CHOICES[letter]}; on this machine it is "
+                 f"({right_choice}). {why}", "look at where the decode points sit on the roofline.")
+
+
+# ---- explain: the intensity of a decode step -----------------------------------------------------
+
+_INTENSITY_CHOICES = {
+    "a": "no: at 128 cached tokens the KV cache of SmolLM2 is 128 × 46 KB ≈ 6 MB, about 1% of "
+         "the 540 MB of float32 weights; the weights dominate the bytes.",
+    "b": "right: a [1, 576] × [576, 1536] product reads each 4-byte weight once and does one "
+         "multiply and one add with it, 2 FLOPs per 4 bytes = 0.5 FLOP/byte, whatever the "
+         "matrix. Prefill reuses each weight for every prompt token, hence its high intensity.",
+    "c": "no: softmax and the other elementwise operations are a tiny share of the FLOPs; the "
+         "matrix products set the intensity.",
+    "d": "no: the intensity is a property of the computation (FLOPs over bytes), not of the "
+         "machine; the machine decides only where the ridge point lies.",
+}
+
+
+@exercise("nb02.explain_decode_intensity", notebook=NOTEBOOK, kind="explain",
+          title="explain: why does a batch-1 decode step sit at ≈ 0.5 FLOP/byte in float32?",
+          solution="b",
+          wrong_variants={"KV cache dominates": ("a", ("weights dominate",)),
+                          "machine property": ("d", ("property of the computation",))})
+def _check_explain_decode_intensity(answer, **_) -> Verdict:
+    return choice_verdict(answer, "b", _INTENSITY_CHOICES)
+
+
+# ---- stretch: a cache for left-padded batches ----------------------------------------------------
+
+class _SolutionPaddedKVCache(_SolutionKVCache):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_padding_mask = torch.zeros(self.batch, self.max_len, dtype=torch.bool,
+                                            device=self.device)
+        self.real_lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+
+    def begin(self, num_new, attention_mask=None):
+        if self.length + num_new > self.max_len:
+            raise ValueError(f"{num_new} new tokens do not fit in max_len={self.max_len}")
+        real = (torch.ones(self.batch, num_new, dtype=torch.bool, device=self.device)
+                if attention_mask is None else attention_mask.to(torch.bool))
+        self.key_padding_mask[:, self.length:self.length + num_new] = real
+        self.pending = num_new
+        # positions count real tokens only, so a padded row's first real token is position 0
+        return (self.real_lengths[:, None] + real.long().cumsum(-1) - 1).clamp_min(0)
+
+    def attend(self, layer_idx, q, k, v, backend):
+        self.append(layer_idx, k, v)
+        end = self.length + k.shape[1]
+        keys = self.k[layer_idx][:, :, :end].transpose(1, 2)
+        values = self.v[layer_idx][:, :, :end].transpose(1, 2)
+        return backend.forward(q, keys, values, causal=True,
+                               key_padding_mask=self.key_padding_mask[:, :end])
+
+    def advance(self):
+        new = self.key_padding_mask[:, self.length:self.length + self.pending]
+        self.real_lengths += new.sum(-1)
+        super().advance()
+
+
+class _PaddedCountsPads(_SolutionPaddedKVCache):
+    def begin(self, num_new, attention_mask=None):
+        super().begin(num_new, attention_mask)
+        return torch.arange(self.length, self.length + num_new).expand(self.batch, num_new)
+
+
+class _PaddedNoMask(_SolutionPaddedKVCache):
+    def attend(self, layer_idx, q, k, v, backend):
+        return _SolutionKVCache.attend(self, layer_idx, q, k, v, backend)
+
+
+@exercise("nb02.padded_kv_cache", notebook=NOTEBOOK, kind="build", stretch=True,
+          title="stretch: a KV cache for a left-padded batch (begin with an attention mask)",
+          solution=_SolutionPaddedKVCache,
+          wrong_variants={"positions count the padding": (_PaddedCountsPads, ("positions",)),
+                          "no key-padding mask": (_PaddedNoMask, ("padding",))})
+def _check_padded_kv_cache(cls, **_) -> Verdict:
+    from .. import attention as A
+
+    if not isinstance(cls, type):
+        return wrong(f"expected your cache class, got {type(cls).__name__}.",
+                     "pass the class itself.")
+    backend = A.get("naive")
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, d, total = 2, 4, 2, 8, 7
+    q = torch.randn(batch, total, heads, d, generator=g)
+    k = torch.randn(batch, total, kv_heads, d, generator=g)
+    v = torch.randn(batch, total, kv_heads, d, generator=g)
+    mask = torch.ones(batch, total, dtype=torch.bool)
+    mask[0, :2] = False                                   # row 0: 2 pads, then 3 prompt tokens
+    cache = cls(1, batch, kv_heads, d, total)
+    start = 0
+    for n in (5, 1, 1):
+        end = start + n
+        positions = cache.begin(n, mask[:, start:end] if n > 1 else None)
+        want_pos = (mask[:, :end].long().cumsum(-1) - 1).clamp_min(0)[:, start:end]
+        if not isinstance(positions, torch.Tensor) or not torch.equal(positions.cpu(), want_pos):
+            return wrong(f"begin({n}) returned positions {positions.tolist() if isinstance(positions, torch.Tensor) else positions}, "
+                         f"expected {want_pos.tolist()}: positions count real tokens only, so "
+                         "row 0's first real token (after 2 pads) is position 0.",
+                         "keep a per-row count of real tokens; positions = count + "
+                         "cumsum(mask) − 1.")
+        out = cache.attend(0, q[:, start:end], k[:, start:end], v[:, start:end], backend)
+        want = backend.forward(q[:, start:end], k[:, :end], v[:, :end], causal=True,
+                               key_padding_mask=mask[:, :end])
+        real = mask[:, start:end]
+        problem = compare_tensors(out[real] if isinstance(out, torch.Tensor) else out,
+                                  want[real], f"the output of the real queries after {end} "
+                                  "tokens", 1e-5)
+        if problem:
+            return wrong(f"{problem} Row 0's queries must not see its 2 padding keys.",
+                         "remember which slots are padding (a [batch, max_len] bool mask) and "
+                         "pass key_padding_mask=mask[:, :end] to backend.forward.")
+        cache.advance()
+        start = end
+    from .nb01 import smollm2
+
+    _, tok = smollm2()
+    prompts = [tok("Name a planet.")["input_ids"], tok(PROMPT + " in Europe")["input_ids"]]
+    verdict, _, _ = _check_generation(cls, prompts, 12)
+    if verdict is not None:
+        return verdict
+    return right(f"a left-padded batch of prompts of {len(prompts[0])} and {len(prompts[1])} "
+                 "tokens generates, with your cache, exactly the tokens each gets without one.")

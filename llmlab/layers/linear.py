@@ -10,12 +10,12 @@ A linear layer ``y = x Wᵀ`` (W is [out, in]) can be split across ``tp`` proces
   of y; one all-reduce adds the partial sums.
 
 A column layer followed by a row layer (attention's q/k/v then o; the MLP's gate/up then
-down) needs one all-reduce, so a decoder layer needs two. Megatron wraps the
-communication in two conjugate operators:
+down) needs one all-reduce, so a decoder layer needs two. Megatron-LM (Shoeybi et al.
+2019) wraps the communication in two conjugate operators, which its paper calls f and g:
 
-* ``copy_to_tensor_parallel_region``: identity forward, all-reduce of the gradient backward
-  (placed before a column-parallel layer);
-* ``reduce_from_tensor_parallel_region``: all-reduce forward, identity backward (after a
+* f, ``copy_to_tensor_parallel_region``: identity forward, all-reduce of the gradient
+  backward (placed before a column-parallel layer);
+* g, ``reduce_from_tensor_parallel_region``: all-reduce forward, identity backward (after a
   row-parallel layer). In inference it is a plain ``all_reduce``.
 
 **VocabParallelEmbedding** splits the embedding table by vocabulary rows: each rank looks
@@ -24,12 +24,18 @@ up the ids it owns, writes zeros for the others, and an all-reduce assembles the
 all-gathered so every rank sees the full distribution.
 
 Every layer works with ``tp_size == 1`` and no process group (then it is the plain layer).
-Collectives can be counted with :func:`count_collectives`. Taught in notebook 07.
+Collectives can be counted with :func:`count_collectives`.
+
+The split layers' forward passes are two plain functions, :func:`column_parallel_forward`
+and :func:`row_parallel_forward` ``(x, weight, bias) -> y``; :func:`use_parallel_forwards`
+swaps in other functions with that signature (notebook 07's exercise runs the model with
+the student's). Taught in notebook 07.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -174,6 +180,53 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Ten
     return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
+# -- the two forward passes --------------------------------------------------------------
+
+def column_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            group=None) -> torch.Tensor:
+    """This rank's slice of y = x Wᵀ + b: x [..., in] (the full input, the same on every rank),
+    weight [out/tp, in] and bias [out/tp] (this rank's rows) -> [..., out/tp].
+
+    No communication in the forward pass (f is the identity); in training f all-reduces the
+    gradient of x on the way back.
+    """
+    return F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
+
+
+def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         group=None) -> torch.Tensor:
+    """The full y = x Wᵀ + b from this rank's input slice: x [..., in/tp], weight [out, in/tp],
+    bias [out] (the same on every rank) -> [..., out], identical on every rank.
+
+    Each rank's product is a partial sum over its input features; g (an all-reduce) adds the
+    partials, and the bias is added once, after the sum.
+    """
+    y = reduce_from_tensor_parallel_region(F.linear(x, weight), group)
+    return y if bias is None else y + bias
+
+
+_FORWARDS: dict[str, Callable | None] = {"column": None, "row": None}  # None: the library's
+
+
+@contextlib.contextmanager
+def use_parallel_forwards(column: Callable | None = None, row: Callable | None = None):
+    """``with use_parallel_forwards(column=f, row=g): model(ids)`` runs every split
+    ColumnParallelLinear (ParallelLMHead included, before its all-gather) with
+    ``f(x, weight, bias)`` and every split RowParallelLinear with ``g(x, weight, bias)``,
+    instead of :func:`column_parallel_forward` / :func:`row_parallel_forward`.
+    They talk to the default process group. Layers with tp_size == 1 are unaffected.
+    """
+    for what, fn in (("column", column), ("row", row)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{what}={fn!r} must be a function (x, weight, bias) -> y, or None")
+    before = dict(_FORWARDS)
+    _FORWARDS.update(column=column, row=row)
+    try:
+        yield
+    finally:
+        _FORWARDS.update(before)
+
+
 # -- layers -----------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
@@ -207,7 +260,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+        if _FORWARDS["column"] is not None:
+            y = _FORWARDS["column"](x, self.weight, self.bias)
+        else:
+            y = column_parallel_forward(x, self.weight, self.bias, self.group)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -244,10 +300,11 @@ class RowParallelLinear(nn.Module):
         return self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            y = reduce_from_tensor_parallel_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if _FORWARDS["row"] is not None:
+            return _FORWARDS["row"](x, self.weight, self.bias)
+        return row_parallel_forward(x, self.weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (columns {self.shard_range()[0]}:"
@@ -306,6 +363,7 @@ class ParallelLMHead(ColumnParallelLinear):
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
+           "column_parallel_forward", "row_parallel_forward", "use_parallel_forwards",
            "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
            "gather_from_tensor_parallel_region",
            "all_reduce", "all_gather_last_dim", "count_collectives", "CollectiveLog",

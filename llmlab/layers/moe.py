@@ -7,9 +7,9 @@ strategies can treat them as one batched operand:
     w_gate, w_up  [experts, intermediate, hidden]
     w_down        [experts, hidden, intermediate]
 
-Dispatch strategies are plain functions registered in ``DISPATCH`` and chosen by name
-(``moe.dispatch = "grouped"``, or ``set_dispatch(model, "grouped")`` for every layer);
-all take (x [tokens, hidden], weights [tokens, k], experts [tokens, k], w_gate, w_up,
+Dispatch strategies are plain functions chosen by name (``moe.dispatch = "grouped"``, or
+``set_dispatch(model, "grouped")`` for every layer). The built-in ones live in ``DISPATCH``;
+they take (x [tokens, hidden], weights [tokens, k], experts [tokens, k], w_gate, w_up,
 w_down) and return [tokens, hidden]:
 
     dense    every expert runs on every token; unchosen experts get weight 0. The answer
@@ -22,6 +22,11 @@ w_down) and return [tokens, hidden]:
              a per-slice loop in PyTorch on CPU), routing weights applied in the down
              projection, then one gather back through the inverse permutation and a sum
              over the k slots (no scatter-add needed).
+
+``register_dispatch(name, fn)`` adds a dispatch that also routes: ``fn(x, router_logits
+[tokens, experts], top_k, w_gate, w_up, w_down) -> [tokens, hidden]`` gets the router's raw
+logits and does the softmax, top-k and renormalization itself (notebook 06's exercise
+plugs the student's function in this way).
 
 Taught in notebook 06.
 """
@@ -106,6 +111,43 @@ def dispatch_grouped(x, weights, experts, w_gate, w_up, w_down, impl: str = "aut
 DISPATCH: dict[str, Callable] = {"dense": dispatch_dense, "loop": dispatch_loop,
                                  "grouped": dispatch_grouped}
 
+# Dispatches that route for themselves: fn(x, router_logits, top_k, w_gate, w_up, w_down).
+_ROUTING_DISPATCH: dict[str, Callable] = {}
+
+
+def available_dispatches() -> list[str]:
+    """Names a MoE layer accepts: the built-in strategies, then the registered ones."""
+    return list(DISPATCH) + list(_ROUTING_DISPATCH)
+
+
+def _check_name(name: str) -> None:
+    if name not in DISPATCH and name not in _ROUTING_DISPATCH:
+        raise ValueError(f"unknown MoE dispatch {name!r}; allowed: {available_dispatches()}")
+
+
+def register_dispatch(name: str, fn: Callable) -> None:
+    """Add (or replace) dispatch ``name``: ``fn(x [tokens, hidden], router_logits [tokens,
+    experts], top_k, w_gate, w_up, w_down) -> [tokens, hidden]`` routes and runs the experts.
+
+    Afterwards ``set_dispatch(model, name)`` makes every MoE layer call it. The built-in
+    names cannot be replaced.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"dispatch name {name!r} must be a non-empty string")
+    if name in DISPATCH:
+        raise ValueError(f"{name!r} is a built-in dispatch; choose another name "
+                         f"(built-in: {list(DISPATCH)})")
+    if not callable(fn):
+        raise ValueError(f"dispatch {name!r} must be callable; got {type(fn).__name__}")
+    _ROUTING_DISPATCH[name] = fn
+
+
+def unregister_dispatch(name: str) -> None:
+    """Remove a dispatch added with :func:`register_dispatch` (layers using it must switch first)."""
+    if name not in _ROUTING_DISPATCH:
+        raise ValueError(f"no registered dispatch {name!r}; registered: {list(_ROUTING_DISPATCH)}")
+    del _ROUTING_DISPATCH[name]
+
 
 class SparseMoE(nn.Module):
     """Router + E stacked SwiGLU experts; ``dispatch`` names the strategy (see ``DISPATCH``).
@@ -133,8 +175,7 @@ class SparseMoE(nn.Module):
 
     @dispatch.setter
     def dispatch(self, name: str) -> None:
-        if name not in DISPATCH:
-            raise ValueError(f"unknown MoE dispatch {name!r}; allowed: {list(DISPATCH)}")
+        _check_name(name)
         self._dispatch = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +185,14 @@ class SparseMoE(nn.Module):
         weights, experts = route(logits, self.top_k)
         self.last_routing = (weights.detach(), experts.detach())
         self.last_router_logits = logits.detach()
-        out = DISPATCH[self._dispatch](flat, weights, experts, self.w_gate, self.w_up, self.w_down)
+        if self._dispatch in DISPATCH:
+            out = DISPATCH[self._dispatch](flat, weights, experts, self.w_gate, self.w_up, self.w_down)
+        else:  # a registered dispatch routes for itself from the raw logits
+            fn = _ROUTING_DISPATCH.get(self._dispatch)
+            if fn is None:
+                raise ValueError(f"MoE dispatch {self._dispatch!r} was unregistered; allowed: "
+                                 f"{available_dispatches()}")
+            out = fn(flat, logits, self.top_k, self.w_gate, self.w_up, self.w_down)
         return out.reshape(shape)
 
 
@@ -155,8 +203,7 @@ def moe_layers(model: nn.Module) -> list[SparseMoE]:
 
 def set_dispatch(model: nn.Module, name: str) -> nn.Module:
     """Switch every MoE layer of ``model`` to dispatch strategy ``name``; returns the model."""
-    if name not in DISPATCH:
-        raise ValueError(f"unknown MoE dispatch {name!r}; allowed: {list(DISPATCH)}")
+    _check_name(name)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("this model has no MoE layers (a dense model: nothing to dispatch); "

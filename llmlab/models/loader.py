@@ -15,7 +15,9 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
 from . import registry
+from .fetch import resolve
 from .llama import CausalLM, empty_model
+from .upcycle import UPCYCLED, upcycle
 
 _EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _STACK = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
@@ -71,15 +73,13 @@ def load_model(name_or_path: str, attention: str = "naive", device=None,
     attn_backends.get(attention)  # fail early with the list of names
     spec = registry.MODELS.get(str(name_or_path))
     if spec is not None and spec.kind == "derived":
-        from .upcycle import load_upcycled
-
         return load_upcycled(spec.name, attention=attention, device=device, dtype=dtype,
                              **derived_options)
     if derived_options:
         raise ValueError(f"options {sorted(derived_options)} apply only to derived models "
                          f"{[n for n, s in registry.MODELS.items() if s.kind == 'derived']}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    path = registry.resolve(name_or_path)
+    path = resolve(name_or_path)
     config = ModelConfig.from_file(path)
     model = empty_model(config, attention)
     sd = to_llmlab_names(read_state_dict(path), config)
@@ -93,11 +93,26 @@ def load_model(name_or_path: str, attention: str = "naive", device=None,
     return model.eval()
 
 
+def load_upcycled(name: str, attention: str = "naive", device=None,
+                  dtype: str | torch.dtype = torch.float32, router_seed: int = 0,
+                  expert_noise: float = 0.0, noise_seed: int = 0) -> CausalLM:
+    """Build a registered upcycled model (``smollm2-135m-moe8``) from its base model's files
+    (see :func:`llmlab.models.upcycle.upcycle`)."""
+    if name not in UPCYCLED:
+        raise ValueError(f"unknown upcycled model {name!r}; allowed: {list(UPCYCLED)}")
+    base, experts, top_k = UPCYCLED[name]
+    dense = load_model(base, attention=attention, device=device, dtype=dtype)
+    moe = upcycle(dense, num_experts=experts, top_k=top_k, router_seed=router_seed,
+                  expert_noise=expert_noise, noise_seed=noise_seed)
+    moe.name = name
+    return moe
+
+
 def load_tokenizer(name_or_path: str):
     """The HF tokenizer (with chat template) saved beside the model."""
     from transformers import AutoTokenizer
 
-    path = registry.resolve(name_or_path)
+    path = resolve(name_or_path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"no tokenizer files in {path}; tiny models borrow smollm2-135m's, "
                                 f"so run: {registry.fetch_command('smollm2-135m')}")

@@ -1,7 +1,9 @@
-"""Model names the workbook knows, and where their files live.
+"""Model names the workbook knows, and where their files live: data, no behaviour.
 
 Files live under ``data/models/<name>/`` in the repository (git-ignored), or under
-``$LLMLAB_MODELS_DIR`` when that is set.
+``$LLMLAB_MODELS_DIR`` when that is set. Turning a name into a ready directory (which
+may generate a tiny model) is :func:`llmlab.models.fetch.resolve`; this module imports
+nothing from llmlab, so every other module can read it.
 """
 from __future__ import annotations
 
@@ -50,29 +52,3 @@ def model_dir(name: str) -> Path:
 
 def fetch_command(name: str) -> str:
     return f"python -m llmlab.models fetch {name}"
-
-
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A model directory holding config.json, from a registered name or a path.
-
-    Random tiny models are generated on first use; a downloaded model that is missing
-    raises FileNotFoundError naming the fetch command.
-    """
-    path = Path(name_or_path)
-    if (path / "config.json").exists():
-        return path
-    name = str(name_or_path)
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; allowed: {list(MODELS)} "
-                         "or a directory containing config.json")
-    if MODELS[name].kind == "derived":  # no files of its own: its base model's directory
-        return resolve(MODELS[name].base)
-    d = model_dir(name)
-    if (d / "config.json").exists() and any(d.glob("*.safetensors")):
-        return d
-    if MODELS[name].kind == "random":
-        from .fetch import fetch
-
-        return fetch(name)
-    raise FileNotFoundError(f"model {name!r} is not fetched yet (looked in {d}); run: "
-                            f"{fetch_command(name)}   (or `make setup`)")

@@ -15,7 +15,8 @@ checkpoint; here it gives a real-sized MoE to run dispatch on without downloadin
   Only ``w_up`` is materialized per expert (smollm2-135m-moe8: about 0.85 GB in float32);
   ``w_gate`` and ``w_down`` stay shared.
 
-``load_model("smollm2-135m-moe8")`` builds it from smollm2-135m's files at load time.
+``load_model("smollm2-135m-moe8")`` builds it from smollm2-135m's files at load time
+(:func:`llmlab.models.loader.load_upcycled`; this module does not import the loader).
 Taught in notebook 06.
 """
 from __future__ import annotations
@@ -79,19 +80,3 @@ def upcycle(dense: CausalLM, num_experts: int = 8, top_k: int = 2, router_seed: 
     moe.reset_rotary(dense.device)  # RoPE frequencies were built on meta
     moe.name = f"{dense.name}-moe{num_experts}"
     return moe.eval()
-
-
-def load_upcycled(name: str, attention: str = "naive", device=None,
-                  dtype: str | torch.dtype = torch.float32, router_seed: int = 0,
-                  expert_noise: float = 0.0, noise_seed: int = 0) -> CausalLM:
-    """Build a registered upcycled model (``smollm2-135m-moe8``) from its base model's files."""
-    from .loader import load_model
-
-    if name not in UPCYCLED:
-        raise ValueError(f"unknown upcycled model {name!r}; allowed: {list(UPCYCLED)}")
-    base, experts, top_k = UPCYCLED[name]
-    dense = load_model(base, attention=attention, device=device, dtype=dtype)
-    moe = upcycle(dense, num_experts=experts, top_k=top_k, router_seed=router_seed,
-                  expert_noise=expert_noise, noise_seed=noise_seed)
-    moe.name = name
-    return moe

@@ -8,7 +8,7 @@
 Command line: ``torchrun --nproc-per-node 3 -m llmlab.parallel.run --prompt "..."``.
 The parallel layers themselves live in :mod:`llmlab.layers.linear`. Taught in notebook 07.
 """
-from .generate import GrowingKVCache, LockstepGeneration, greedy_generate
+from .generate import LockstepGeneration, greedy_generate
 from .group import (ParallelContext, current, default_backend, destroy_process_group,
                     free_port, init_process_group)
 from .launch import RankError, launch
@@ -18,4 +18,4 @@ from .model import build_tp_model, check_tp_degree, parallelize, parameter_bytes
 __all__ = ["launch", "RankError", "init_process_group", "destroy_process_group", "current",
            "ParallelContext", "default_backend", "free_port", "load_tp_model", "read_shards",
            "shard_plan", "build_tp_model", "parallelize", "check_tp_degree", "valid_tp_degrees",
-           "parameter_bytes", "greedy_generate", "GrowingKVCache", "LockstepGeneration"]
+           "parameter_bytes", "greedy_generate", "LockstepGeneration"]

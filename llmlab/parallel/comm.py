@@ -57,12 +57,17 @@ def allreduce_per_token(config: ModelConfig, tp: int, bytes_per_el: int = 4) -> 
 
 
 def time_allreduce(sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -> list[dict]:
-    """Median all-reduce time per message size on the current group; call on every rank.
+    """All-reduce time per message size on the current group; call on every rank.
 
-    Returns rows {bytes, us, algbw_GBps}: algbw = message bytes / time (nccl-tests' name).
+    Each timed run counts as its slowest rank's time (an all-reduce finishes for everyone
+    only when the last rank arrives). Returns rows {bytes, us (median over runs), us_q1,
+    us_q3 (quartiles), us_min, us_max, algbw_GBps}: algbw = message bytes / median time
+    (nccl-tests' name).
     """
     if not dist.is_initialized():
         raise RuntimeError("time_allreduce needs a process group; run it under llmlab.parallel.launch")
+    if repeats < 5:
+        raise ValueError(f"repeats={repeats}: a median needs at least 5 runs")
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     rows = []
     for size in sizes_bytes:
@@ -76,12 +81,28 @@ def time_allreduce(sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t)
-        # a rank's time includes waiting for the slowest; report the slowest rank's median
-        med = torch.tensor([sorted(times)[len(times) // 2]])
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        rows.append({"bytes": x.numel() * 4, "us": med.item() * 1e6,
-                     "algbw_GBps": x.numel() * 4 / med.item() / 1e9})
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # run by run, the slowest rank's time
+        us = slowest * 1e6
+        q1, med, q3 = (float(v) for v in torch.quantile(us, torch.tensor([0.25, 0.5, 0.75],
+                                                                          dtype=torch.float64)))
+        rows.append({"bytes": x.numel() * 4, "us": med, "us_q1": q1, "us_q3": q3,
+                     "us_min": float(us.min()), "us_max": float(us.max()),
+                     "algbw_GBps": x.numel() * 4 / (med * 1e-6) / 1e9})
     return rows
+
+
+def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
+    """Least-squares fit of median time = latency + bytes / bandwidth over ``rows`` (from
+    :func:`time_allreduce`); returns (latency in µs, bandwidth in GB/s)."""
+    if len(rows) < 2:
+        raise ValueError(f"need at least 2 message sizes to fit, got {len(rows)}")
+    b = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
+    t = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
+    a = torch.stack([torch.ones_like(b), b], dim=1)
+    latency, per_byte = torch.linalg.lstsq(a, t[:, None]).solution[:, 0].tolist()
+    per_byte = max(per_byte, 1e-12)  # µs per byte; guard a noisy negative slope
+    return latency, 1e-3 / per_byte  # bytes per µs are MB/s; / 1e3 gives GB/s
 
 
 @dataclass(frozen=True)

@@ -3,49 +3,29 @@
 All ranks feed the same tokens through their shard of the model; the parallel layers
 exchange partial results, and after the LM head's all-gather every rank holds the same
 logits. Rank 0's choice of the next token is broadcast anyway, so the ranks can never
-drift apart (it also makes sampling safe to add). A minimal growing KV cache keeps each
-rank's own KV heads, so decode steps cost one token's work. Taught in notebook 07.
+drift apart (it also makes sampling safe to add). The loop is ``llmlab.generate``'s own
+(:func:`llmlab.generate.generate_token_ids`) over a contiguous KV cache that holds this
+rank's KV heads, so a decode step costs one token's work and a prompt stops exactly
+where it would in one process. Taught in notebook 07.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..device import sync
-
-
-class GrowingKVCache:
-    """Per-layer K/V concatenated step by step: the simplest cache that serves
-    ``Attention.forward``'s ``cache.attend(layer_idx, q, k, v, backend)`` call.
-
-    Stores k, v [batch, seq_so_far, kv_heads_on_this_rank, head_dim] per layer.
-    """
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend):
-        if layer_idx in self.k:
-            k = torch.cat([self.k[layer_idx], k], dim=1)
-            v = torch.cat([self.v[layer_idx], v], dim=1)
-        self.k[layer_idx], self.v[layer_idx] = k, v
-        return backend.forward(q, k, v, causal=True)
-
-    @property
-    def seq_len(self) -> int:
-        return next(iter(self.k.values())).shape[1] if self.k else 0
+from ..generate import generate_token_ids
+from ..prompts import check_token_ids
 
 
 @dataclass
 class LockstepGeneration:
-    """What :func:`greedy_generate` produced; times are rank 0's wall clock."""
+    """What :func:`greedy_generate` produced for one prompt; times are rank 0's wall clock."""
     tokens: list[int]
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)  # one per decode step
+    finish_reason: str | None = None                      # "stop" or "length"
 
     @property
     def s_per_token(self) -> float:
@@ -54,36 +34,50 @@ class LockstepGeneration:
         return s[len(s) // 2] if s else float("nan")
 
 
-def _agree(token: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(token, src=0)
-    return token
+def agree_on_tokens(tokens: list[int], device=None) -> list[int]:
+    """Every rank takes rank 0's tokens (a no-op without a process group of two or more)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tokens
+    t = torch.tensor(tokens, dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return t.tolist()
 
 
-@torch.inference_mode()
-def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> LockstepGeneration:
-    """Greedy tokens for one prompt, with a KV cache; every rank must call it with the same args."""
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty")
+def greedy_generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int,
+                    eos_token_id: int | None = None
+                    ) -> LockstepGeneration | list[LockstepGeneration]:
+    """Greedy tokens for one prompt (token ids), or for a batch of them (returns a list);
+    every rank must call it with the same arguments. Each prompt of a batch gets the tokens
+    it would get alone: up to ``max_new_tokens``, ``eos_token_id`` or the context's end."""
+    single = bool(prompt_ids) and all(isinstance(t, int) for t in prompt_ids)
+    batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
+    if not batch or not all(batch):
+        raise ValueError("prompt_ids is empty (or holds an empty prompt)")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
-    dev = model.device
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    cache = GrowingKVCache()
-    sync(dev)
-    t0 = time.perf_counter()
-    pos = torch.arange(ids.shape[1], device=dev)[None]
-    logits = model(ids, positions=pos, cache=cache, last_only=True)[:, -1]
-    nxt = _agree(logits.argmax(-1))
-    sync(dev)
-    out = LockstepGeneration(tokens=[int(nxt)], prefill_s=time.perf_counter() - t0)
-    n = ids.shape[1]
-    while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_token_id:
-        t = time.perf_counter()
-        logits = model(nxt[:, None], positions=torch.tensor([[n]], device=dev), cache=cache)[:, -1]
-        nxt = _agree(logits.argmax(-1))
-        out.tokens.append(int(nxt))  # .item() waits for the device: honest step times
-        out.decode_s.append(time.perf_counter() - t)
-        n += 1
-    return out
+    # every rank checks before any collective, so a bad id fails all ranks alike instead
+    # of one embedding shard raising while the other ranks wait in an all-reduce
+    for p in batch:
+        check_token_ids(p, model.config.vocab_size)
+    runs = generate_token_ids(model, batch, max_new_tokens, eos_token_id=eos_token_id,
+                              pad_token_id=0 if eos_token_id is None else eos_token_id,
+                              kv_cache="contiguous",
+                              agree=lambda toks: agree_on_tokens(toks, model.device))
+    out = [LockstepGeneration(tokens=r.token_ids, prefill_s=r.times_s[0],
+                              decode_s=[b - a for a, b in zip(r.times_s, r.times_s[1:])],
+                              finish_reason=r.finish_reason) for r in runs]
+    return out[0] if single else out
+
+
+def greedy_on_ranks(model_name: str, prompts: list[list[int]], max_new_tokens: int,
+                    eos_token_id: int | None = None, attention: str = "sdpa") -> list[list[int]]:
+    """Run under :func:`llmlab.parallel.launch`: load this rank's shard, generate greedily
+    for the batch ``prompts``, then for each prompt alone; -> [batched tokens per prompt]
+    followed by [alone tokens per prompt]."""
+    from .group import current
+    from .loader import load_tp_model
+
+    model = load_tp_model(model_name, attention=attention, device=current().device)
+    batched = greedy_generate(model, prompts, max_new_tokens, eos_token_id)
+    alone = [greedy_generate(model, p, max_new_tokens, eos_token_id) for p in prompts]
+    return [g.tokens for g in batched] + [g.tokens for g in alone]

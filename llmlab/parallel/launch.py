@@ -2,8 +2,9 @@
 
 Each rank is a fresh Python process started with multiprocessing's ``spawn`` method (so it
 works from a notebook and with CUDA), joins a process group on a free localhost port, runs
-``fn`` and leaves the group. ``fn`` must be importable (defined in a module such as
-``llmlab.parallel.workers``, not in the notebook) because spawn pickles it by name. If a
+``fn`` and leaves the group. Spawn pickles ``fn`` by its module and name, so a function of a
+module (``llmlab.parallel.workers``) travels as is; a ``def`` from a notebook cell travels as
+its source text (:func:`llmlab.parallel.portable.portable`); a lambda cannot travel. If a
 rank raises, the others are stopped and :class:`RankError` carries that rank's traceback.
 Results travel back pickled, so keep them small (tensors, lists, dataclasses).
 Taught in notebook 07.
@@ -21,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .group import destroy_process_group, free_port, init_process_group
+from .portable import portable
 
 
 class RankError(RuntimeError):
@@ -48,13 +50,16 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             destroy_process_group()
 
 
-def _check_importable(fn: Callable) -> None:
-    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if mod in (None, "__main__", "__mp_main__") or "<locals>" in qual or "<lambda>" in qual:
+def _sendable(fn: Callable) -> Callable:
+    """``fn``, or its source-text package when it was defined in a notebook."""
+    try:
+        return portable(fn)
+    except ValueError as exc:
+        mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
         raise ValueError(f"fn={getattr(fn, '__name__', fn)!r} must be importable by the spawned "
-                         f"ranks (a module-level function in a module, e.g. "
-                         f"llmlab.parallel.workers.forward_logits); got module={mod!r}, "
-                         f"qualname={qual!r}")
+                         f"ranks (a module-level function, e.g. llmlab.parallel.workers."
+                         f"generate_on_ranks) or a def in a notebook whose source can be read; "
+                         f"got module={mod!r}, qualname={qual!r}: {exc}") from None
 
 
 def launch(fn: Callable, world_size: int, *args: Any, device: str = "cpu", threads: int = 1,
@@ -69,7 +74,7 @@ def launch(fn: Callable, world_size: int, *args: Any, device: str = "cpu", threa
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads={threads!r} must be a positive int")
-    _check_importable(fn)
+    fn = _sendable(fn)
     if torch.device(device).type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < world_size:

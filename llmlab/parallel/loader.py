@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..models import registry
+from ..models.fetch import resolve
 from ..models.llama import CausalLM
 from .model import build_tp_model
 
@@ -102,7 +103,7 @@ def load_tp_model(name_or_path: str, attention: str = "naive", device=None,
         tp_rank = dist.get_rank(group) if init else 0
         tp_size = dist.get_world_size(group) if init else 1
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    path = registry.resolve(name_or_path)
+    path = resolve(name_or_path)
     config = ModelConfig.from_file(path)
     model = build_tp_model(config, tp_rank, tp_size, attention, group)
     plan = shard_plan(model)

@@ -24,7 +24,7 @@ def generate_and_report(model_name: str, prompt: str, max_new_tokens: int, devic
 
     tok = llmlab.load_tokenizer(model_name)
     ids = encode_prompts(tok, [prompt], chat=True)[0]
-    eos = llmlab.ModelConfig.from_file(llmlab.models.registry.resolve(model_name)).eos_token_id
+    eos = llmlab.ModelConfig.from_file(llmlab.models.resolve(model_name)).eos_token_id
     run = generate_on_ranks(model_name, ids, max_new_tokens, attention, dtype, eos_token_id=eos)
     text = tok.decode([t for t in run.tokens if t != eos], skip_special_tokens=True)
     return run, text

@@ -44,6 +44,7 @@ class TPRun:
     logits: torch.Tensor | None = None  # [batch, seq, vocab] for the parity prompt
     device: str = "cpu"
     collectives: list[tuple[str, int]] = field(default_factory=list)  # one decode step's (op, bytes)
+    decode_s: list[float] = field(default_factory=list)  # every decode step's time (rank 0's clock)
 
 
 def _peak_rss() -> int:
@@ -101,7 +102,7 @@ def generate_on_ranks(model_name: str, prompt_ids: list[int], max_new_tokens: in
     memory = _gather(_memory(model, model.tp_bytes_read))
     return TPRun(tp=ctx.world_size, tokens=gen.tokens, prefill_s=gen.prefill_s,
                  s_per_token=gen.s_per_token, load_s=load_s, memory=memory, logits=logits,
-                 device=str(ctx.device), collectives=log.calls)
+                 device=str(ctx.device), collectives=log.calls, decode_s=list(gen.decode_s))
 
 
 def parity_on_ranks(model_name: str, input_ids: torch.Tensor, new_tokens: int,

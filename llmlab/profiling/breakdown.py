@@ -6,6 +6,9 @@ on a GPU). Taught in notebook 01.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,12 +25,28 @@ class OpTime:
     calls: int
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Point file descriptor 2 at /dev/null for the block: the profiler's C++ side prints
+    "profiler_start"/"profiler_stop" lines there, which Python's sys.stderr never sees."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def profile_by_operator(fn, row_limit: int = 10) -> list[OpTime]:
     """Run ``fn()`` under torch.profiler; the operators with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with _native_stderr_silenced(), profile(activities=acts) as prof:
         fn()
     rows = []
     for ev in prof.key_averages():

@@ -18,13 +18,31 @@ def linear_bytes(tokens: int, in_features: int, out_features: int, bytes_per_el:
     return bytes_per_el * (in_features * out_features + tokens * in_features + tokens * out_features)
 
 
+def attention_pairs(q_len: int, kv_len: int, causal: bool = False) -> int:
+    """(query, key) pairs whose score is computed, per sequence and head.
+
+    Without a mask: q_len · kv_len. With ``causal`` the mask is aligned bottom-right (as in
+    FlashAttention and a KV cache: the last query sees every key), so query i of q_len
+    sees kv_len − q_len + i + 1 keys: the lower triangle *including its diagonal*. For
+    q_len == kv_len == N that is N(N+1)/2, a little more than half of N².
+    """
+    if q_len < 0 or kv_len < 0:
+        raise ValueError(f"q_len={q_len} and kv_len={kv_len} must be >= 0")
+    if not causal:
+        return q_len * kv_len
+    if q_len <= kv_len:
+        return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+    return kv_len * (kv_len + 1) // 2   # the first q_len - kv_len queries see no key
+
+
 def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
                     causal: bool = False) -> int:
-    """QKᵀ and PV: 4 · b · h · q · k · d (about half of that with a causal mask)."""
-    f = 4 * batch * heads * q_len * kv_len * head_dim
-    if causal and q_len == kv_len:
-        f = 4 * batch * heads * head_dim * q_len * (q_len + 1) // 2
-    return f
+    """FLOPs of QKᵀ and P·V: 2 · head_dim multiply-adds (4 · head_dim FLOPs) per computed
+    (query, key) pair, i.e. 4 · batch · heads · pairs · head_dim with pairs from
+    :func:`attention_pairs` (all q_len · kv_len, or with ``causal`` the lower triangle
+    including the diagonal, aligned bottom-right). Softmax, scaling and masking are not
+    counted. The one count every notebook and benchmark uses."""
+    return 4 * batch * heads * head_dim * attention_pairs(q_len, kv_len, causal)
 
 
 def attention_bytes(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,

@@ -2,16 +2,27 @@
 
 These are *models*, not measurements: they count the bytes each algorithm must move
 between HBM and the chip, assuming every operand is read and every result written at
-the granularity the algorithm prescribes (the accounting of the FlashAttention paper,
-Dao et al. 2022, Theorem 2):
+the granularity the algorithm prescribes (the accounting behind Theorem 2 of the
+FlashAttention paper: Dao, Fu, Ermon, Rudra, Ré, NeurIPS 2022, arXiv:2205.14135).
 
-standard attention
+standard attention (:func:`standard_attention_hbm`)
     S = QKᵀ written to HBM, read back for the softmax, P written, read again for P·V:
-    Θ(N·d + N²) bytes — quadratic in the sequence length whatever the chip.
-tiled attention (FlashAttention-2 loop order)
-    each [Br, d] block of Q is read once and its output written once; K and V stream
-    through once per Q block, so they are read ⌈N/Br⌉ times: Θ(N²·d / Br). With the
-    largest tile the on-chip memory M allows (Br ≈ M / 4d), that is Θ(N²·d² / M).
+    Θ(N·d + N²) bytes, quadratic in the sequence length whatever the chip.
+FlashAttention-1 loop order (:func:`tiled_attention_hbm` with ``order="fa1"``)
+    Algorithm 1 of the paper: the *outer* loop runs over blocks of Bc keys, each K/V
+    block read once; for each, the inner loop reads every block of Q together with its
+    partial output O and statistics ℓ, m, updates them on chip and writes O, ℓ, m back.
+    Q is read and O read and written ⌈N/Bc⌉ times: Θ(N²·d / Bc). With the paper's block
+    sizes for an on-chip memory of M elements, Bc = ⌈M/4d⌉ and Br = min(⌈M/4d⌉, d)
+    (:func:`paper_block_sizes`), that is Θ(N²·d²/M): the traffic keeps falling as M grows
+    (:func:`tiled_attention_hbm_for_sram`).
+FlashAttention-2 loop order (``order="fa2"``, the default; Dao 2023, arXiv:2307.08691)
+    the loops are swapped: the outer loop runs over blocks of Br queries, each read once
+    with its output written once, and K and V stream through once per query block:
+    Θ(N²·d / Br). Br is chosen for occupancy and registers (64 or 128 in practice), not
+    from M. The swap buys parallelism over query blocks (one thread block each, even when
+    batch × heads is small), no read-modify-write of a partial O in HBM, and a single
+    division by ℓ at the end instead of one per key block.
 
 Chip presets carry the numbers the notebook quotes; each is cited where it is defined.
 """
@@ -51,8 +62,7 @@ class ChipSpec:
 # A100 SXM4 40 GB. HBM2 1,555 GB/s, 312 TFLOP/s dense BF16, 108 SMs: NVIDIA A100 Tensor
 # Core GPU datasheet. 192 KB L1/shared per SM, of which up to 164 KB shared: NVIDIA A100
 # architecture whitepaper and CUDA C++ Programming Guide (compute capability 8.0).
-# SRAM ~19 TB/s over ~20 MB: FlashAttention paper, Fig. 1 (also the seed article on
-# FlashAttention, which quotes SRAM 19 TB/s / 20 MB and HBM 1.5 TB/s / 40 GB).
+# SRAM ~19 TB/s over ~20 MB: FlashAttention paper (Dao et al. 2022), Fig. 1.
 A100 = ChipSpec("A100-SXM4-40GB", sms=108, smem_per_sm=164 * KiB, sram_per_sm=192 * KiB,
                 hbm_bytes=40 * GB, hbm_bandwidth=1.555e12, peak_bf16_flops=312e12,
                 sram_bandwidth=19e12,
@@ -116,8 +126,8 @@ def standard_attention_hbm(n: int, d: int, *, batch: int = 1, heads: int = 1,
 
 
 def kv_elements_loaded(n: int, block_q: int, block_k: int, causal: bool) -> int:
-    """Keys loaded by the tiled loop summed over all Q blocks (whole K blocks are loaded,
-    also those the causal mask cuts through; blocks past the diagonal are skipped)."""
+    """Keys loaded by the FlashAttention-2 loop summed over all Q blocks (whole K blocks are
+    loaded, also those the causal mask cuts through; blocks past the diagonal are skipped)."""
     total = 0
     for q_start in range(0, n, block_q):
         q_end = min(q_start + block_q, n)
@@ -126,23 +136,56 @@ def kv_elements_loaded(n: int, block_q: int, block_k: int, causal: bool) -> int:
     return total
 
 
-def tiled_attention_hbm(n: int, d: int, block_q: int, block_k: int, *, causal: bool = False,
-                        batch: int = 1, heads: int = 1, bytes_per_el: int = 2) -> HBMTraffic:
-    """FlashAttention-2 loop order: Q and O once, K and V once per Q block.
+def q_rows_loaded(n: int, block_q: int, block_k: int, causal: bool) -> int:
+    """Query rows the FlashAttention-1 loop loads, summed over all K/V blocks: for each block
+    of keys, every Q block that has a row allowed to see one of them (whole Q blocks)."""
+    total = 0
+    for k_start in range(0, n, block_k):
+        first_row = k_start if causal else 0      # rows above the diagonal see none of these keys
+        first_block = (first_row // block_q) * block_q
+        total += n - first_block
+    return total
 
-    Reads N·d (Q) + 2·d·Σ keys loaded per Q block (≈ 2·N²·d / Br without a mask, about
-    half with one); writes N·d (O). No N² term: the scores never leave the chip.
+
+ORDERS = ("fa1", "fa2")
+
+
+def tiled_attention_hbm(n: int, d: int, block_q: int, block_k: int, *, causal: bool = False,
+                        order: str = "fa2", batch: int = 1, heads: int = 1,
+                        bytes_per_el: int = 2) -> HBMTraffic:
+    """HBM traffic of tiled (Flash) attention with Br = ``block_q``, Bc = ``block_k``.
+
+    ``order="fa2"`` (FlashAttention-2: outer loop over Q blocks): Q read once, O written
+    once, K and V read once per Q block: reads N·d + 2·d·Σ keys loaded (≈ 2·N²·d/Br without
+    a mask, about half with one), writes N·d. Θ(N²·d/Br), independent of Bc.
+
+    ``order="fa1"`` (FlashAttention-1, Algorithm 1: outer loop over K/V blocks): O, ℓ, m
+    initialized in HBM (N·d + 2·N written); K and V read once (2·N·d); then for each K/V
+    block every Q block is read with its O, ℓ, m, and O, ℓ, m written back:
+    ≈ ⌈N/Bc⌉·(3·N·d + 4·N) elements. Θ(N²·d/Bc), independent of Br.
+
+    No N² term in either: the scores never leave the chip.
     """
     _check_positive(n=n, d=d, block_q=block_q, block_k=block_k, batch=batch, heads=heads,
                     bytes_per_el=bytes_per_el)
-    keys = kv_elements_loaded(n, block_q, block_k, causal)
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} is not one of {ORDERS}")
     k = batch * heads * bytes_per_el
-    return HBMTraffic(read=k * (n * d + 2 * keys * d), write=k * n * d)
+    if order == "fa2":
+        keys = kv_elements_loaded(n, block_q, block_k, causal)
+        return HBMTraffic(read=k * (n * d + 2 * keys * d), write=k * n * d)
+    rows = q_rows_loaded(n, block_q, block_k, causal)
+    read = 2 * n * d + rows * (2 * d + 2)          # K, V once; Q, O, ℓ, m per pass
+    write = (n * d + 2 * n) + rows * (d + 2)       # the initial O, ℓ, m; O, ℓ, m per pass
+    return HBMTraffic(read=k * read, write=k * write)
 
 
 def paper_block_sizes(d: int, sram_bytes: int, bytes_per_el: int = 2) -> tuple[int, int]:
-    """The block sizes of FlashAttention's Algorithm 1 for on-chip memory of M elements:
-    Bc = ⌈M / 4d⌉, Br = min(⌈M / 4d⌉, d) -> (Br, Bc)."""
+    """The block sizes of FlashAttention's Algorithm 1 for on-chip memory of M elements
+    (M = ``sram_bytes / bytes_per_el``): Bc = ⌈M / 4d⌉, Br = min(⌈M / 4d⌉, d) -> (Br, Bc).
+
+    Bc = ⌈M/4d⌉ lets a K block, a V block, a Q block and an O block of about that many rows
+    share the memory; Br is capped at d so the Br×Bc score tile fits too."""
     _check_positive(d=d, sram_bytes=sram_bytes, bytes_per_el=bytes_per_el)
     m = sram_bytes // bytes_per_el
     bc = max(1, math.ceil(m / (4 * d)))
@@ -151,10 +194,16 @@ def paper_block_sizes(d: int, sram_bytes: int, bytes_per_el: int = 2) -> tuple[i
 
 def tiled_attention_hbm_for_sram(n: int, d: int, sram_bytes: int, *, batch: int = 1,
                                  heads: int = 1, bytes_per_el: int = 2) -> HBMTraffic:
-    """Tiled traffic with the paper's block sizes for ``sram_bytes`` of on-chip memory:
-    Θ(N²·d²/M) — bigger SRAM, bigger Q blocks, fewer passes over K and V."""
+    """FlashAttention-1 (Algorithm 1) with the paper's block sizes for ``sram_bytes`` of
+    on-chip memory: Q, O, ℓ and m cross HBM once per block of Bc = ⌈M/4d⌉ keys, so the
+    traffic is Θ(N²·d²/M) and keeps falling as M grows (until one block holds all N keys).
+
+    The Br cap at d does not limit it: in this loop order the passes are counted in K/V
+    blocks. (In FlashAttention-2's order the passes are counted in Q blocks instead:
+    use :func:`tiled_attention_hbm` with the Br the kernel actually uses.)"""
     br, bc = paper_block_sizes(d, sram_bytes, bytes_per_el)
-    return tiled_attention_hbm(n, d, br, bc, batch=batch, heads=heads, bytes_per_el=bytes_per_el)
+    return tiled_attention_hbm(n, d, br, bc, order="fa1", batch=batch, heads=heads,
+                               bytes_per_el=bytes_per_el)
 
 
 @dataclass(frozen=True)
@@ -175,8 +224,8 @@ class TileFootprint:
     def fits(self, spec: ChipSpec) -> bool:
         """Whether the tile fits the shared memory one SM offers a thread block.
 
-        (On a GPU the scores and accumulator live in registers and Q/K/V in shared memory;
-        counting them all against shared memory is the conservative model.)"""
+        (On a GPU the score tile and the accumulator live in registers, Q/K/V in shared
+        memory; counting them all against shared memory is the conservative model.)"""
         return self.total <= spec.smem_per_sm
 
 
@@ -189,14 +238,6 @@ def tile_footprint(block_q: int, block_k: int, d: int, bytes_per_el: int = 2,
     return TileFootprint(q=block_q * d * bytes_per_el, kv=2 * block_k * d * bytes_per_el,
                          scores=4 * block_q * block_k, acc=4 * block_q * d, stats=2 * 4 * block_q,
                          stages=stages)
-
-
-def attention_flops(n: int, d: int, *, batch: int = 1, heads: int = 1,
-                    causal: bool = False) -> int:
-    """2 GEMMs of 2·N·N·d FLOPs each per head (half with a causal mask, the convention
-    FlashAttention's benchmarks use)."""
-    f = 4 * batch * heads * n * n * d
-    return f // 2 if causal else f
 
 
 def roofline_seconds(traffic: HBMTraffic, flops: int, spec: ChipSpec) -> float:

@@ -25,10 +25,6 @@ class MemoryResult:
     peak_bytes: int
     result: object = None
 
-    @property
-    def peak_mib(self) -> float:
-        return self.peak_bytes / 2**20
-
 
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of tensor storages created inside the mode that are still alive."""

@@ -114,9 +114,9 @@ def forward_cost(config: ModelConfig, batch: int, new_tokens: int, past_tokens: 
     tokens = batch * new_tokens
     lin_flops = sum(linear_flops(tokens, i, o) for i, o in shapes)
     act_bytes = sum(tokens * (i + o) for i, o in shapes) * bytes_per_el
-    # keys seen by all new queries together: sum over i of (past + i + 1)
-    keys_seen = new_tokens * past_tokens + new_tokens * (new_tokens + 1) // 2
-    attn = attention_flops(batch, c.num_heads, 1, keys_seen, d)
+    # causal: new query i sees past + i + 1 keys
+    attn = attention_flops(batch, c.num_heads, new_tokens, past_tokens + new_tokens, d,
+                           causal=True)
     lm_tokens = batch * min(logits_tokens, new_tokens)
     flops = L * (lin_flops + attn) + linear_flops(lm_tokens, h, c.vocab_size)
     kv_per_token = 2 * L * kvd * bytes_per_el

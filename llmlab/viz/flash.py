@@ -1,11 +1,11 @@
 """Figures and the block-size explorer of notebook 03 (FlashAttention).
 
 Each function returns a matplotlib figure (and the numbers it drew), so the notebook
-widgets are thin wrappers and the tests can check what is plotted.
+widgets are thin wrappers and the tests can check what is plotted. Figures of the HBM
+model and of the GPU say so in their titles: they are models, not measurements.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -15,8 +15,10 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from ..attention.flash import (CAUSAL_SKIPPED, FULL_BLOCK, MASKED_BLOCK, block_schedule)
-from ..profiling.hbm import (ChipSpec, chip as chip_preset, standard_attention_hbm,
-                             tile_footprint, tiled_attention_hbm)
+from ..profiling.flops import attention_flops
+from ..profiling.hbm import (ChipSpec, chip as chip_preset,
+                             roofline_seconds, standard_attention_hbm, tile_footprint,
+                             tiled_attention_hbm, tiled_attention_hbm_for_sram)
 
 FIGSIZE, DPI = (7, 3.5), 80
 _STATE_COLORS = {CAUSAL_SKIPPED: "#eeeeee", FULL_BLOCK: "#4c72b0", MASKED_BLOCK: "#dd8452"}
@@ -46,8 +48,9 @@ def plot_block_schedule(seq_q: int, seq_k: int, block_q: int, block_k: int,
         off = seq_k - seq_q
         i = np.array([0, seq_q])
         ax.plot(np.clip(i + off + 1, 0, seq_k), i, color="black", lw=1.2, ls="--")
-    ax.set_xlabel("key j (blocks of Bc)")
-    ax.set_ylabel("query i (blocks of Br)")
+    # the ticks count positions; the white grid lines mark the blocks
+    ax.set_xlabel(f"key position j (grid: blocks of Bc={block_k})")
+    ax.set_ylabel(f"query position i (grid: Br={block_q})")
     counts = {s: int((grid == s).sum()) for s in _STATE_COLORS}
     ax.set_title(f"Br={block_q}, Bc={block_k}: {counts[FULL_BLOCK]} full, "
                  f"{counts[MASKED_BLOCK]} masked, {counts[CAUSAL_SKIPPED]} skipped", fontsize=9)
@@ -60,7 +63,8 @@ def plot_block_schedule(seq_q: int, seq_k: int, block_q: int, block_k: int,
     return (fig or ax.figure), grid
 
 
-def plot_peak_memory(ns: list[int], series: dict[str, list[float]], modelled_from: int | None = None,
+def plot_peak_memory(ns: list[int], series: dict[str, list[float]],
+                     modelled_from: int | None = None,
                      title: str = "peak memory of one attention call"):
     """Peak bytes against N on log-log axes, one line per backend; points at N >=
     ``modelled_from`` are drawn hollow (analytic, not measured)."""
@@ -77,7 +81,8 @@ def plot_peak_memory(ns: list[int], series: dict[str, list[float]], modelled_fro
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("MiB")
-    ax.set_title(title + ("" if modelled_from is None else f" (hollow: modelled, N ≥ {modelled_from})"),
+    hollow = "" if modelled_from is None else f" (hollow: modelled, N ≥ {modelled_from})"
+    ax.set_title(title + hollow,
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -112,6 +117,109 @@ def plot_traffic_model(ns: list[int], d: int = 64, block_q: int = 128, block_k: 
     return fig, {"standard": std, "tiled": tiled}
 
 
+def plot_times(ns: list[int], times: dict[str, list[list[float]]],
+               title: str = "time of one attention call"):
+    """Median time against N, one line per backend, with the min–max spread of the runs as
+    error bars; ``times[name][i]`` holds the seconds of every timed run at ``ns[i]``.
+    Returns (figure, {name: medians in seconds})."""
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    medians = {}
+    for name, runs in times.items():
+        med = np.array([np.median(r) for r in runs])
+        lo = med - np.array([np.min(r) for r in runs])
+        hi = np.array([np.max(r) for r in runs]) - med
+        ax.errorbar(ns, med * 1e3, yerr=[lo * 1e3, hi * 1e3], marker="o", capsize=3, label=name)
+        medians[name] = med.tolist()
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("ms (median; bars: min–max)")
+    n_runs = min(len(r) for runs in times.values() for r in runs)
+    ax.set_title(f"{title} (median of {n_runs} runs after a warm-up)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, medians
+
+
+def plot_traffic_vs_sram(n: int, d: int, sram_kib: list[int],
+                         fa2_block_q: tuple[int, ...] = (64, 128),
+                         bytes_per_el: int = 2):
+    """Modelled HBM bytes of one head against the on-chip memory M: standard attention,
+    FlashAttention-1 with the paper's block sizes for M (Θ(N²d²/M), falling), and the
+    FlashAttention-2 loop order at fixed Br (Θ(N²d/Br), set by registers and occupancy,
+    not by M). Returns (figure, {name: bytes list})."""
+    std = standard_attention_hbm(n, d, bytes_per_el=bytes_per_el).total
+    fa1 = [tiled_attention_hbm_for_sram(n, d, kib * 1024, bytes_per_el=bytes_per_el).total
+           for kib in sram_kib]
+    data = {"standard": [std] * len(sram_kib), "FlashAttention-1": fa1}
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    ax.plot(sram_kib, np.array(data["standard"]) / 2**20, color="#c44e52",
+            label="standard: Θ(Nd + N²)")
+    ax.plot(sram_kib, np.array(fa1) / 2**20, marker="o", color="#4c72b0",
+            label="FlashAttention-1, Bc = ⌈M/4d⌉: Θ(N²d²/M)")
+    for br, ls in zip(fa2_block_q, ("--", ":", "-.")):
+        t = tiled_attention_hbm(n, d, br, 64, bytes_per_el=bytes_per_el).total
+        data[f"FlashAttention-2 Br={br}"] = [t] * len(sram_kib)
+        ax.plot(sram_kib, np.array(data[f"FlashAttention-2 Br={br}"]) / 2**20, ls=ls,
+                color="#55a868",
+                label=f"FlashAttention-2 order, Br={br}: Θ(N²d/Br), M-independent")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("on-chip memory M per thread block (KiB)")
+    ax.set_ylabel(f"HBM MiB, one head (N={n}, d={d})")
+    ax.set_title("modelled HBM traffic against SRAM size (a model, not a measurement)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, data
+
+
+def gpu_attention_model(ns: list[int], d: int = 64, heads: int = 32, batch: int = 1,
+                        block_q: int = 128, block_k: int = 64, causal: bool = True,
+                        spec: str | ChipSpec = "H100") -> dict[str, list[float]]:
+    """Roofline lower bounds (seconds) of one attention layer on a GPU, from the chip's
+    datasheet figures: max(HBM bytes / bandwidth, FLOPs / peak bf16) for standard attention
+    (the N×N scores through HBM) and for the FlashAttention-2 loop order. A model: real
+    kernels reach a fraction of either peak."""
+    spec = _as_chip(spec)
+    out = {"standard": [], "flash": [], "flops": []}
+    for n in ns:
+        flops = attention_flops(batch, heads, n, n, d, causal=causal)
+        std = standard_attention_hbm(n, d, batch=batch, heads=heads)
+        fl = tiled_attention_hbm(n, d, block_q, block_k, causal=causal, batch=batch, heads=heads)
+        out["standard"].append(roofline_seconds(std, flops, spec))
+        out["flash"].append(roofline_seconds(fl, flops, spec))
+        out["flops"].append(flops)
+    return out
+
+
+def plot_gpu_model(ns: list[int], d: int = 64, heads: int = 32, batch: int = 1,
+                   block_q: int = 128, block_k: int = 64, causal: bool = True,
+                   spec: str | ChipSpec = "H100"):
+    """Plot :func:`gpu_attention_model`: modelled time of standard attention and of
+    FlashAttention-2 on ``spec``, labelled as a model. Returns (figure, the model's dict)."""
+    spec = _as_chip(spec)
+    m = gpu_attention_model(ns, d, heads, batch, block_q, block_k, causal, spec)
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    ax.plot(ns, np.array(m["standard"]) * 1e6, marker="o", color="#c44e52",
+            label="standard attention (S and P through HBM)")
+    ax.plot(ns, np.array(m["flash"]) * 1e6, marker="o", color="#4c72b0",
+            label=f"FlashAttention-2 order, Br={block_q}, Bc={block_k}")
+    ax.plot(ns, np.array(m["flops"]) / spec.peak_bf16_flops * 1e6, ls=":", color="gray",
+            label=f"FLOPs alone at {spec.peak_bf16_flops / 1e12:.0f} TFLOP/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("µs per layer (roofline lower bound)")
+    ax.set_title(f"MODEL, not measured: {spec.name} datasheet figures, bf16, batch {batch}, "
+                 f"{heads} heads × d={d}{', causal' if causal else ''}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, m
+
+
 @dataclass
 class ExplorerResult:
     """What the block-size explorer drew."""
@@ -126,13 +234,21 @@ class ExplorerResult:
     standard_bytes: int
     tiled_bytes: int
     measured_n: int | None
-    measured_s: float | None
+    measured_s: float | None           # median of the timed runs
     measured_what: str
+    measured_spread: tuple[float, float] | None = None   # (min, max) of the timed runs
     figure: object = None
 
 
-def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int) -> tuple[float | None, str]:
-    """Time the Triton kernel once (after a warm-up): compiled on a GPU, interpreted on CPU."""
+def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int
+                    ) -> tuple[float | None, tuple[float, float] | None, str]:
+    """Time the Triton kernel (median of 5 runs after a warm-up, and the min–max spread):
+    compiled on a GPU, interpreted on CPU. Returns (median s, (min s, max s), what ran)."""
+    from ..device import has_triton
+    from ..profiling import time_fn
+
+    if not has_triton():
+        return None, None, "not measured: Triton is not installed here"
     from ..kernels.flash_attn import flash_attn_func
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,14 +260,14 @@ def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int) -> tuple[
         return flash_attn_func(q, k, v, causal=True, block_m=block_q, block_n=block_k)
 
     if dev == "cuda":
-        from ..profiling import time_fn
         try:
-            return time_fn(run, repeats=10, warmup=2, device=dev).median_s, "compiled kernel, bf16"
+            r = time_fn(run, repeats=10, warmup=2, device=dev)
         except Exception as exc:  # e.g. triton's OutOfResources: the tile does not fit
-            return None, f"did not run: {type(exc).__name__}"
-    t0 = time.perf_counter()
-    run()
-    return time.perf_counter() - t0, "Triton interpreter on CPU (Python speed, not a GPU's)"
+            return None, None, f"did not run: {type(exc).__name__}"
+        return r.median_s, (min(r.times_s), max(r.times_s)), "compiled kernel, bf16"
+    r = time_fn(run, repeats=5, warmup=1, device=dev)
+    return (r.median_s, (min(r.times_s), max(r.times_s)),
+            "Triton interpreter on CPU (NumPy running each program: not a GPU's speed)")
 
 
 def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: int = 4096,
@@ -170,11 +286,11 @@ def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: 
     fp = tile_footprint(block_q, block_k, head_dim, bytes_per_el=2)
     std = standard_attention_hbm(n, head_dim).total
     tiled = tiled_attention_hbm(n, head_dim, block_q, block_k, causal=True).total
-    measured_n = measured_s = None
+    measured_n = measured_s = spread = None
     what = "not measured"
     if measure:
         measured_n = n if torch.cuda.is_available() else min(n, interpreter_n)
-        measured_s, what = _measure_kernel(measured_n, block_q, block_k, head_dim)
+        measured_s, spread, what = _measure_kernel(measured_n, block_q, block_k, head_dim)
 
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), dpi=DPI)
     ax = axes[0]
@@ -204,8 +320,10 @@ def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: 
 
     ax = axes[2]
     if measured_s is not None:
-        ax.bar(["flash_triton"], [measured_s * 1e3], color="#55a868", width=0.5)
-        ax.set_ylabel("ms")
+        err = [[(measured_s - spread[0]) * 1e3], [(spread[1] - measured_s) * 1e3]]
+        ax.bar(["flash_triton"], [measured_s * 1e3], yerr=err, capsize=4, color="#55a868",
+               width=0.5)
+        ax.set_ylabel("ms (median; bar: min–max)")
         ax.set_title(f"measured, N={measured_n}, causal: {measured_s * 1e3:.1f} ms", fontsize=9)
         ax.set_xlabel(what.replace(" (", "\n("), fontsize=7)
     else:
@@ -213,4 +331,4 @@ def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: 
         ax.set_title(what, fontsize=9)
     fig.tight_layout()
     return ExplorerResult(block_q, block_k, head_dim, n, fp.total, spec.smem_per_sm,
-                          fp.fits(spec), std, tiled, measured_n, measured_s, what, fig)
+                          fp.fits(spec), std, tiled, measured_n, measured_s, what, spread, fig)

@@ -1,8 +1,11 @@
-"""Figures and the widget callback for notebook 06 (mixture of experts).
+"""Figures, timings and the widget callback for notebook 06 (mixture of experts).
 
 ``explore_routing`` is the callback of the notebook's widget over the number of experts,
 top-k and capacity factor: it routes a synthetic batch through a seeded random router and
 shows each expert's load against its capacity, what gets dropped, and the balance loss.
+``measure_dispatch`` times the three dispatch strategies (median of several runs after a
+warm-up, every run kept so the figure can show the spread); ``plot_moe_gpu_model`` draws
+a roofline model of the GPU case, labelled as a model.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import numpy as np
 import torch
 
 from ..layers.moe import route
-from ..layers.moe_stats import ComputeAccount, load_balancing_loss, simulate_capacity
+from ..layers.moe_stats import (ComputeAccount, load_balancing_loss, moe_layer_gpu_model,
+                                simulate_capacity)
+from ..profiling.hbm import H100, ChipSpec
 
 
 @dataclass
@@ -95,28 +100,117 @@ def plot_layer_loads(loads: torch.Tensor, title: str = ""):
     return fig
 
 
+STRATEGIES = ("dense", "loop", "grouped")
+_COLORS = {"dense": "tab:blue", "loop": "tab:orange", "grouped": "tab:green"}
+
+
+def _summary(times_ms: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of one configuration's runs."""
+    t = sorted(times_ms)
+    return float(np.median(t)), t[0], t[-1]
+
+
+def measure_dispatch(tokens: list[int], experts: list[int], fixed_tokens: int = 128,
+                     shape: dict | None = None, repeats: int = 5,
+                     strategies_by_experts: tuple[str, ...] = ("dense", "grouped")):
+    """Time one MoE layer per dispatch strategy: ``repeats`` timed runs after one warm-up.
+
+    Returns (token_rows, expert_rows). A token row is {"tokens", "<strategy> ms": [runs]} for
+    8 experts, top-2 and each token count; an expert row is {"experts", "tokens",
+    "<strategy> µs/token": [runs]} for ``fixed_tokens`` tokens, top-2 and each expert count.
+    ``shape`` is {"hidden", "inter"} (default: Mixtral 8x7B's layer scaled down 8×).
+    """
+    from ..bench.moe import CPU_SHAPE, MoELayerCase, make_layer
+    from ..profiling import time_fn
+
+    if repeats < 5:
+        raise ValueError(f"repeats={repeats}: a median needs at least 5 runs")
+    shape = dict(CPU_SHAPE if shape is None else shape)
+
+    def runs(layer, x, name):
+        layer.dispatch = name
+        with torch.inference_mode():
+            return time_fn(lambda: layer(x), repeats=repeats, warmup=1, device=x.device).times_s
+
+    token_rows = []
+    for n in tokens:
+        layer, x = make_layer(MoELayerCase(n, **shape))
+        token_rows.append({"tokens": n, **{f"{name} ms": [t * 1e3 for t in runs(layer, x, name)]
+                                          for name in STRATEGIES}})
+    expert_rows = []
+    for e in experts:
+        layer, x = make_layer(MoELayerCase(fixed_tokens, experts=e, **shape))
+        expert_rows.append({"experts": e, "tokens": fixed_tokens,
+                            **{f"{name} µs/token": [t * 1e6 / fixed_tokens for t in runs(layer, x, name)]
+                               for name in strategies_by_experts}})
+    return token_rows, expert_rows
+
+
+def median_of(row: dict, key: str) -> float:
+    """The median of one row's runs, e.g. ``median_of(row, "dense ms")``."""
+    return _summary(row[key])[0]
+
+
+def _errorbar(ax, xs, rows, key, name):
+    med, lo, hi = zip(*(_summary(r[key]) for r in rows))
+    med, lo, hi = np.array(med), np.array(lo), np.array(hi)
+    ax.errorbar(xs, med, yerr=[med - lo, hi - med], fmt="o-", capsize=3, label=name,
+                color=_COLORS[name])
+
+
 def plot_dispatch_times(token_rows: list[dict], expert_rows: list[dict], title: str = ""):
-    """Left: ms per layer call vs tokens for each strategy; right: µs/token vs experts."""
-    colors = {"dense": "tab:blue", "loop": "tab:orange", "grouped": "tab:green"}
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.3), dpi=80)
+    """Left: ms per layer call vs tokens per strategy; right: µs/token vs experts.
+    Points are medians, bars span the fastest to the slowest run."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.5, 3.4), dpi=80)
     toks = [r["tokens"] for r in token_rows]
-    for name in ("dense", "loop", "grouped"):
-        a1.loglog(toks, [r[f"{name} ms"] for r in token_rows], "o-", label=name, color=colors[name])
-    a1.set(xlabel="tokens", ylabel="ms per MoE layer", title="one MoE layer, 8 experts, top-2")
+    for name in STRATEGIES:
+        if f"{name} ms" in token_rows[0]:
+            _errorbar(a1, toks, token_rows, f"{name} ms", name)
+    a1.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms per MoE layer (median)",
+           title="one MoE layer, 8 experts, top-2")
     ex = [r["experts"] for r in expert_rows]
-    for name in ("dense", "grouped"):
-        a2.semilogx(ex, [r[f"{name} µs/token"] for r in expert_rows], "o-", label=name, base=2,
-                    color=colors[name])
-    a2.set(xlabel="experts (top-2)", ylabel="µs per token",
+    for name in STRATEGIES:
+        if f"{name} µs/token" in expert_rows[0]:
+            _errorbar(a2, ex, expert_rows, f"{name} µs/token", name)
+    a2.set_xscale("log", base=2)
+    a2.set_ylim(bottom=0)
+    a2.set(xlabel="experts (top-2)", ylabel="µs per token (median)",
            title=f"more experts, same top-2 ({expert_rows[0]['tokens']} tokens)")
     for a in (a1, a2):
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=8)
         a.title.set_fontsize(9)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(title + " (bars: fastest to slowest run)", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_moe_gpu_model(tokens: list[int] | None = None, chip: ChipSpec = H100, **shape):
+    """MODEL, not a measurement: one Mixtral-shaped MoE layer on ``chip`` in bfloat16, dense
+    against grouped dispatch, from :func:`llmlab.layers.moe_stats.moe_layer_gpu_model`.
+    Returns (figure, estimates)."""
+    tokens = tokens or [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    est = [moe_layer_gpu_model(n, chip=chip, **shape) for n in tokens]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.5, 3.4), dpi=80)
+    a1.loglog(tokens, [e.dense_s * 1e3 for e in est], "o-", color=_COLORS["dense"], label="dense")
+    a1.loglog(tokens, [e.grouped_s * 1e3 for e in est], "o-", color=_COLORS["grouped"],
+              label="grouped (ideal kernel)")
+    a1.set(xlabel="tokens in the batch", ylabel="ms per MoE layer (model)")
+    a2.semilogx(tokens, [e.dense_over_grouped for e in est], "o-", color="k")
+    a2.set_ylim(0, max(e.dense_over_grouped for e in est) * 1.2)
+    a2.set(xlabel="tokens in the batch", ylabel="dense time / grouped time (model)")
+    a2.twinx().semilogx(tokens, [e.experts_touched for e in est], ":", color="tab:red")
+    fig.axes[-1].set_ylabel("experts touched by grouped", color="tab:red", fontsize=8)
+    fig.axes[-1].set_ylim(0, None)
+    for a in (a1, a2):
+        a.grid(True, which="both", alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.suptitle(f"MODEL (roofline, not measured): Mixtral 8x7B MoE layer, bf16, {chip.name} "
+                 f"({chip.peak_bf16_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e12:.2f} TB/s)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig, est
 
 
 def plot_compute_accounts(accounts: list[ComputeAccount]):

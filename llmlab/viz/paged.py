@@ -1,5 +1,6 @@
-"""Figures for notebook 04 (PagedAttention): the block map, waste bars, the block-size
-trade-off (the widget's callback), and sharing.
+"""Figures for notebook 04 (PagedAttention): the block map, waste bars, the reservation-cap
+sweep, the block-size trade-off (the widget's callback), sharing, prefix caching, and a
+labelled model of what the memory saved buys on a GPU (:func:`gpu_serving_model`).
 
 Every function takes plain data (a BlockManager, simulation results, dicts of numbers)
 and returns a matplotlib Figure, so the notebook's widgets stay one line and the tests
@@ -7,14 +8,20 @@ can call the same functions.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
+from ..cache import waste as _waste
 from ..cache.block_manager import BlockManager
 from ..cache.waste import SharingResult, WasteResult
+from ..config import ModelConfig
+from ..profiling.flops import model_flops_per_token, weight_bytes
+from ..profiling.hbm import H100, ChipSpec
+from ..profiling.roofline import decode_cost
 
 CATEGORY_COLOURS = {"used": "#4c9a2a", "reservation": "#f2b134", "internal": "#e4572e",
                     "external": "#7b2d26", "idle": "#dddddd"}
@@ -97,6 +104,8 @@ def block_map_story(num_blocks: int = 16, block_size: int = 4) -> list[BlockMapS
     for t in range(5):
         bm.append_slot("A", 10 + t)
         bm.append_slot("B", 106 + t)
+    for seq in ("A", "B"):                                 # their K/V written: cacheable
+        bm.mark_computed(seq, bm.num_tokens(seq))
     shots.append(snapshot(bm, "2. both decode 5 tokens: new blocks on demand"))
     bm.free("B")
     bm.allocate("C", list(range(100, 108)) + [7, 7, 7])    # same first 8 tokens as B
@@ -148,10 +157,11 @@ def plot_waste_bars(results: Sequence[WasteResult], title: str = ""):
 
 
 def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
-                             cost_ms: dict[int, float], device: str = ""):
+                             cost_ms: dict[int, float], device: str = "",
+                             spread_ms: dict[int, tuple[float, float]] | None = None):
     """Left: waste vs block size (small blocks waste less). Right: measured time of one
-    paged decode per block size (small blocks mean more table lookups and smaller
-    contiguous reads). The chosen ``block_size`` is highlighted. The widget's callback."""
+    paged decode per block size (median; ``spread_ms`` maps a size to its (min, max), drawn
+    as error bars). The chosen ``block_size`` is highlighted. The widget's callback."""
     sizes = [r.block_size for r in sweep]
     if block_size not in sizes:
         raise ValueError(f"block_size={block_size!r}; allowed: {sizes}")
@@ -166,14 +176,43 @@ def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
     a.set_title(f"block {block_size}: waste {waste[i]:.1f}%, "
                 f"{sweep[i].mean_running:.1f} seqs", fontsize=9)
     cs = sorted(cost_ms)
-    b.plot(cs, [cost_ms[s] for s in cs], "s-", color="#2e86ab")
+    ys = [cost_ms[s] for s in cs]
+    if spread_ms:
+        lo = [ys[j] - spread_ms[s][0] for j, s in enumerate(cs)]
+        hi = [spread_ms[s][1] - ys[j] for j, s in enumerate(cs)]
+        b.errorbar(cs, ys, yerr=[lo, hi], fmt="s-", color="#2e86ab", capsize=3,
+                   label="median, min–max")
+        b.legend(fontsize=7, loc="lower right")
+    else:
+        b.plot(cs, ys, "s-", color="#2e86ab")
     if block_size in cost_ms:
         b.plot([block_size], [cost_ms[block_size]], "s", ms=12, mfc="none", mec="black")
     b.set_xscale("log", base=2)
-    b.set_ylim(0, 1.15 * max(cost_ms.values()))
+    top = max(spread_ms[s][1] for s in cs) if spread_ms else max(ys)
+    b.set_ylim(0, 1.15 * top)
     b.set_xlabel("block size (tokens)")
     b.set_ylabel("ms per decode attention")
     b.set_title(f"measured on {device}" if device else "measured", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_cap_sweep(capped: Sequence[WasteResult], caps: Sequence[int], paged: WasteResult):
+    """Reserving prompt + cap: waste and sequences in flight against the cap, with paging
+    (which reserves nothing ahead) as a horizontal line."""
+    if len(capped) != len(caps):
+        raise ValueError(f"{len(capped)} results for {len(caps)} caps")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(7, 2.8), dpi=80)
+    a.plot(caps, [r.waste * 100 for r in capped], "o-", color="#e4572e",
+           label="reserve prompt + cap")
+    a.axhline(paged.waste * 100, color="#4c9a2a", ls="--", label=paged.label)
+    a.set(xlabel="output cap reserved (tokens)", ylabel="waste (% of held KV memory)",
+          ylim=(0, 100))
+    b.plot(caps, [r.mean_running for r in capped], "o-", color="#e4572e")
+    b.axhline(paged.mean_running, color="#4c9a2a", ls="--")
+    b.set(xlabel="output cap reserved (tokens)", ylabel="sequences in flight (mean)",
+          ylim=(0, 1.15 * paged.mean_running))
+    a.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -196,15 +235,32 @@ def plot_sharing(results: Sequence[SharingResult]):
     return fig
 
 
-def plot_prefix_cache(ttft_cold: Sequence[float], ttft_warm: Sequence[float], hit_rate: float):
-    """Time to first token per request, without and with the prefix cache."""
+def _median_and_spread(samples):
+    """A number or a list of samples -> (median, low, high)."""
+    xs = list(samples) if isinstance(samples, (list, tuple)) else [samples]
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def plot_prefix_cache(ttft_cold: Sequence, ttft_warm: Sequence, hit_rate: float,
+                      cached_tokens: Sequence[int] | None = None):
+    """Time to first token per request, without and with the prefix cache.
+
+    Each entry is a time in seconds or a list of repeated measurements (then the bar is
+    the median and the error bar min–max). ``cached_tokens`` labels each request with the
+    prompt tokens its cache hit served."""
     fig, ax = plt.subplots(figsize=(7, 3.0), dpi=80)
     n = len(ttft_cold)
-    ax.bar([i - 0.2 for i in range(n)], [t * 1000 for t in ttft_cold], 0.4,
-           label="no prefix cache", color="#999999")
-    ax.bar([i + 0.2 for i in range(n)], [t * 1000 for t in ttft_warm], 0.4,
-           label=f"prefix cache (hit rate {hit_rate:.0%})", color="#2e86ab")
-    ax.set_xticks(range(n), [str(i + 1) for i in range(n)])
+    for off, runs, label, colour in ((-0.2, ttft_cold, "no prefix cache", "#999999"),
+                                     (0.2, ttft_warm, f"prefix cache (hit rate {hit_rate:.0%})",
+                                      "#2e86ab")):
+        stats = [_median_and_spread(r) for r in runs]
+        med = [m * 1000 for m, _, _ in stats]
+        err = [[(m - lo) * 1000 for m, lo, _ in stats], [(hi - m) * 1000 for m, _, hi in stats]]
+        ax.bar([i + off for i in range(n)], med, 0.4, yerr=err, capsize=3, label=label,
+               color=colour)
+    names = [str(i + 1) if cached_tokens is None else f"{i + 1}\n{c} cached"
+             for i, c in enumerate(cached_tokens or [0] * n)]
+    ax.set_xticks(range(n), names)
     ax.set_xlabel("request (same system prompt, different question)")
     ax.set_ylabel("TTFT (ms)")
     ax.legend(fontsize=8)
@@ -212,6 +268,84 @@ def plot_prefix_cache(ttft_cold: Sequence[float], ttft_warm: Sequence[float], hi
     return fig
 
 
+# -- a labelled model: what the memory saved buys on a GPU ---------------------------------
+
+LLAMA2_13B = ModelConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                         num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+                         max_position_embeddings=4096)
+
+
+@dataclass
+class GpuServingRow:
+    """One policy in :func:`gpu_serving_model` (every number a model, not a measurement)."""
+    policy: str
+    kv_slots: int                  # token slots the KV pool holds
+    mean_running: float            # sequences in flight, time-averaged (from the simulation)
+    waste: float
+    preemptions: int
+    recomputed_tokens: int
+    step_s: float                  # one decode step at the mean batch and context
+    total_s: float                 # every step, plus recomputing the preempted prompts
+    tokens_per_s: float            # generated tokens / total_s
+
+
+def gpu_serving_model(requests: Sequence, chip: ChipSpec = H100, config: ModelConfig = LLAMA2_13B,
+                      bytes_per_el: int = 2, memory_fraction: float = 0.9, cap: int = 1024,
+                      block_size: int = 16) -> list[GpuServingRow]:
+    """A model of serving ``requests`` on ``chip``: how many sequences each KV policy keeps
+    in flight, and the decode throughput the roofline gives at that batch.
+
+    The KV pool is what is left of ``memory_fraction`` of HBM after the weights; the
+    ``max_len`` and ``paged`` policies of :func:`llmlab.cache.waste.simulate` run the
+    trace through it (all requests waiting at the start). A decode step at the mean batch
+    and mean context costs max(bytes / bandwidth, FLOPs / peak) (:func:`decode_cost`);
+    the trace takes ``steps`` of them, plus, for paging, the prefill FLOPs of every token a
+    preemption forces to be recomputed. A model: no kernel overheads, no scheduling gaps.
+    """
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * bytes_per_el
+    free = chip.hbm_bytes * memory_fraction - weight_bytes(config, bytes_per_el)
+    if free < kv_per_token * (max(r.prompt_tokens for r in requests) + cap):
+        raise ValueError(f"{chip.name} has no room for one request's KV after "
+                         f"{weight_bytes(config, bytes_per_el) / 1e9:.0f} GB of weights")
+    slots = int(free // kv_per_token)
+    generated = sum(r.output_tokens for r in requests)
+    rows = []
+    for policy in ("max_len", "paged"):
+        res = _waste.simulate(requests, policy, slots, block_size=block_size, max_tokens=cap)
+        batch = max(1, round(res.mean_running))
+        context = max(1, round(res.used / res.mean_running)) if res.mean_running else 1
+        cost = decode_cost(config, batch, context, bytes_per_el)
+        step = max(cost.bytes / chip.hbm_bandwidth, cost.flops / chip.peak_bf16_flops)
+        recompute = res.recomputed_tokens * model_flops_per_token(config, context) \
+            / chip.peak_bf16_flops
+        total = res.steps * step + recompute
+        rows.append(GpuServingRow(policy, slots, res.mean_running, res.waste, res.preemptions,
+                                  res.recomputed_tokens, step, total, generated / total))
+    return rows
+
+
+def plot_gpu_serving_model(rows: Sequence[GpuServingRow], chip: ChipSpec = H100,
+                           model_name: str = "Llama-2-13B, 16-bit"):
+    """Sequences in flight and modelled decode throughput per policy, labelled as a model."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(7, 2.8), dpi=80)
+    names = [r.policy for r in rows]
+    colours = ["#e4572e" if r.policy == "max_len" else "#4c9a2a" for r in rows]
+    a.bar(names, [r.mean_running for r in rows], color=colours)
+    a.set_ylabel("sequences in flight (mean)")
+    b.bar(names, [r.tokens_per_s for r in rows], color=colours)
+    b.set_ylabel("generated tokens/s (model)")
+    for ax, vals in ((a, [r.mean_running for r in rows]), (b, [r.tokens_per_s for r in rows])):
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.2 * max(vals))
+    fig.suptitle(f"MODEL, not a measurement: {model_name} on one {chip.name} "
+                 f"({chip.hbm_bandwidth / 1e12:.2f} TB/s, {chip.peak_bf16_flops / 1e12:.0f} "
+                 "TFLOP/s)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 __all__ = ["snapshot", "draw_block_map", "block_map_story", "plot_block_map_story",
-           "plot_waste_bars", "plot_block_size_tradeoff", "plot_sharing", "plot_prefix_cache",
-           "BlockMapSnapshot"]
+           "plot_waste_bars", "plot_block_size_tradeoff", "plot_cap_sweep", "plot_sharing",
+           "plot_prefix_cache", "BlockMapSnapshot", "LLAMA2_13B", "GpuServingRow",
+           "gpu_serving_model", "plot_gpu_serving_model"]

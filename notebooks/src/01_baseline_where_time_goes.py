@@ -1,42 +1,51 @@
 # %% [markdown]
 # # 01 · The baseline, and where the time goes
 #
-# **Why.** A language model writes one token at a time: each new token needs a forward pass whose
-# input is everything written so far. The textbook loop simply runs the model again over the whole
-# sequence at every step. The seed article on LLM inference (seed 001) walks through exactly this:
-# at step 2 the input "the dog sat" recomputes "the dog", already processed at step 1 — the
-# redundancy the KV cache (notebook 02) removes. It also names the two latencies users feel:
-# **TTFT** (time to first token, dominated by processing the prompt, *prefill*) and **TPOT** (time
-# per output token, the *decode* steps); total latency = TTFT + TPOT · (tokens − 1).
+# **Why.** A decoder-only language model writes one token at a time (Vaswani et al., 2017;
+# Touvron et al., 2023): the next token is predicted from everything written so far, appended, and
+# the model is asked again. The textbook loop runs the model over the *whole* sequence at every
+# step, so when the input grows from "the dog" to "the dog sat", the work done for "the dog" is done
+# again — the redundancy the KV cache of notebook 02 removes.
 #
-# This notebook measures the baseline honestly: the no-cache loop, a profile by operator and by part
-# of the model, and the N² cost of textbook attention.
+# Users feel two latencies (the serving literature, e.g. Zhong et al., 2024, uses them as service
+# objectives): **TTFT**, the time to the first token, spent reading the prompt (*prefill*), and
+# **TPOT**, the time per output token after it (*decode*); a reply of n tokens takes about
+# TTFT + TPOT · (n − 1).
+#
+# This notebook measures the baseline honestly — every timing is the median of at least five runs
+# after a warm-up, with the spread drawn — and has you write its attention.
 
 # %%
-import inspect
 import os
+
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+
 import llmlab
+from llmlab import exercises
 from llmlab.device import device_name
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
 torch.manual_seed(0)
 model = llmlab.load_model("smollm2-135m", attention="naive")
 tok = llmlab.load_tokenizer("smollm2-135m")
+cfg = model.config
 print(device_name())
 
 # %% [markdown]
 # ## How: the decode loop, token by token
 #
-# `llmlab.generate` is the baseline: every step calls `model(ids)` on the *full* sequence and keeps
-# only the last position's logits. Here is its heart:
-
-# %%
-src = inspect.getsource(llmlab.generate)
-loop = src[src.index("    for _ in range(steps):"):src.index("    results = []")]
-print(loop)
+# Without a cache, generation is this loop (a teaching sketch of what `llmlab.generate` does with
+# `kv_cache="none"`; the real one also batches, samples and stops at the end-of-sequence token):
+#
+# ```python
+# ids = prompt_ids                                  # [1, P]
+# for step in range(max_new_tokens):
+#     logits = model(ids)[:, -1]                    # the WHOLE sequence, every step
+#     next_id = logits.argmax(-1)                   # greedy
+#     ids = torch.cat([ids, next_id[:, None]], 1)   # [1, P + step + 1]
+# ```
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -45,35 +54,81 @@ out = llmlab.generate(model, tok, "Explain in two sentences why the sky is blue.
 print(out.text[:80], "...")
 print("prompt tokens:", len(out.prompt_token_ids), "| generated:", len(out.token_ids))
 
+# %% [markdown]
+# ## Measure: one step, as the sequence grows
+#
+# Step t of that loop is one forward pass over P + t tokens. Here is one such step timed at several
+# lengths (median of 5 runs, the band is the min–max range), with a straight line fitted to it:
+
 # %%
-t = np.array(out.token_times_s)
-step = np.diff(np.concatenate([[0.0], t])) * 1e3
-ctx = len(out.prompt_token_ids) + np.arange(len(step))
-fig, ax = plt.subplots(figsize=(7, 3), dpi=80)
-ax.plot(ctx, step, "o-", ms=3)
-ax.set(xlabel="tokens the model re-reads at this step", ylabel="ms per step",
-       title="no-cache decode: every step re-runs the whole sequence")
-ax.grid(alpha=0.3)
-fig.tight_layout()
-print(f"TTFT {out.metrics.ttft_s * 1e3:.0f} ms, TPOT {out.metrics.tpot_s * 1e3:.0f} ms")
+from llmlab.viz.baseline import fit_line, forward_step_times, plot_step_times
+
+lengths = [16, 32, 64, 128] if QUICK else [16, 32, 64, 128, 256]
+steps = forward_step_times(model, lengths, repeats=5)
+ax = plot_step_times([steps], title=f"one no-cache step = a forward over the whole sequence "
+                                    f"({device_name()})")
+a, b = fit_line(lengths, [s.median_s * 1e3 for s in steps])
+ax.plot(lengths, [a + b * n for n in lengths], "k:", label=f"fit: {a:.0f} ms + {b:.2f} ms/token")
+ax.legend(fontsize=8)
+plt.show()
+for s in steps:
+    print(f"{s.n:4d} tokens: {s.median_s * 1e3:7.1f} ms (min {s.lo_s * 1e3:.1f}, max {s.hi_s * 1e3:.1f})")
+print(f"least-squares fit: {a:.1f} ms + {b:.3f} ms per token in the sequence")
 
 # %% [markdown]
-# At these lengths each step is dominated by reading the 135M weights once, so the step time grows
-# slowly; what grows with the sequence is the work: generating T tokens after a P-token prompt costs
-# P + (P+1) + … + (P+T−1) token-passes instead of P + T − 1 (exercise 1).
+# Is such a step limited by reading the 135M weights from memory, or by the arithmetic? The
+# **roofline** (Williams et al., 2009; notebook 02 builds it) answers with two numbers measured on
+# this machine — how fast it streams memory and how fast it multiplies — and one number per step,
+# its **arithmetic intensity**: FLOPs done per byte moved. Below the *ridge point* (peak FLOP/s ÷
+# bandwidth) a step waits for memory; above it, for arithmetic. `forward_cost` is the analytic
+# model of a forward (weights read once, activations, logits for the last token):
+
+# %%
+from llmlab.profiling.roofline import forward_cost, measure_ceilings
+
+ceil = measure_ceilings(copy_bytes=64 * 2**20, matmul_n=512, repeats=5)
+print(f"{ceil.device}: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul "
+      f"{ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, ridge point {ceil.ridge_point:.1f} FLOP/byte")
+for s in steps:
+    cost = forward_cost(cfg, 1, s.n)
+    bound = "compute" if cost.intensity >= ceil.ridge_point else "memory"
+    print(f"{s.n:4d} tokens: {cost.intensity:6.1f} FLOP/byte ({bound}-bound), "
+          f"achieved {cost.flops / s.median_s / 1e9:5.1f} GFLOP/s")
+first = next((s.n for s in steps if forward_cost(cfg, 1, s.n).intensity >= ceil.ridge_point), None)
+print("shortest measured length past the ridge point:", first)
+
+# %% [markdown]
+# **Explain.** Read the printout: from the length it names on, a no-cache step is
+# **compute-bound** on this machine (right of the ridge point). Why?
+#
+# - (a) the step reads the weights once per token, L times in all;
+# - (b) each weight read from memory is used for every one of the L tokens, so the step does about
+#   L/2 FLOPs per byte, past this machine's ridge point;
+# - (c) attention's N² score matrix dominates the step;
+# - (d) Python overhead grows with the number of tokens.
+
+# %%
+answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
+exercises.check("nb01.explain_compute_bound", answer)
+
+# %% [markdown]
+# So the time of a no-cache step grows with L (the fitted slope) instead of staying at the cost of
+# one read of the weights. What grows with the sequence is the total *work*: every step redoes all
+# the tokens before it (exercise 2 counts the token-passes of a whole generation).
 #
 # ## Measure: a profile by operator
 #
-# `torch.profiler` records every ATen operator. One forward pass over a 256-token prompt:
+# `torch.profiler` records every ATen operator. One forward pass over a 256-token prompt, profiled
+# five times; the median self time per operator, with the range:
 
 # %%
-from llmlab.profiling.breakdown import profile_by_operator, time_by_part
+from llmlab.viz.baseline import operator_medians
 
-ids = torch.randint(0, model.config.vocab_size, (1, 256))
+ids = torch.randint(0, cfg.vocab_size, (1, 256))
 with torch.inference_mode():
-    rows = profile_by_operator(lambda: model(ids), row_limit=8)
-for r in rows:
-    print(f"{r.name:28s} {r.self_ms:8.1f} ms  x{r.calls}")
+    ops = operator_medians(lambda: model(ids), repeats=5, row_limit=8)
+for r in ops:
+    print(f"{r['name']:28s} {r['median_ms']:8.1f} ms  ({r['lo_ms']:.1f}–{r['hi_ms']:.1f})  x{r['calls']}")
 
 # %% [markdown]
 # Matrix multiplies (`aten::mm`, `aten::addmm`, `aten::bmm`/`matmul` inside attention) dominate;
@@ -81,46 +136,102 @@ for r in rows:
 #
 # ## Measure: by part of the model, as the prompt grows
 #
-# Hooks on the attention, MLP, norm and lm_head modules add up where one forward pass spends its time.
+# Hooks on the attention, MLP, norm and lm_head modules add up where one forward pass spends its
+# time (median of 5 runs per part; right: the whole forward, median and range).
 
 # %%
-from llmlab.viz.baseline import plot_parts
+from llmlab.viz.baseline import PARTS, parts_by_length, plot_parts
 
-lengths = [64, 256, 1024]
-parts = {}
-time_by_part(model, ids)  # warm-up
-for n in lengths:
-    x = torch.randint(0, model.config.vocab_size, (1, n))
-    parts[n] = time_by_part(model, x)
+part_lengths = [64, 256] if QUICK else [64, 256, 512]
+parts = parts_by_length(model, part_lengths, repeats=5)
 fig = plot_parts(parts)
+plt.show()
 for n, p in parts.items():
-    total = sum(p.values())
-    print(f"N={n:5d}: {total * 1e3:7.0f} ms, attention {p['attention'] / total:4.0%}, "
+    total = sum(p[k] for k in PARTS)
+    print(f"N={n:4d}: {total * 1e3:6.0f} ms, attention {p['attention'] / total:4.0%}, "
           f"mlp {p['mlp'] / total:4.0%}, lm_head {p['lm_head'] / total:4.0%}")
 
 # %% [markdown]
-# The MLP and lm_head cost grows linearly with N; attention's share grows because its score matrix
-# grows as N².
+# The MLP and the projections cost a fixed amount per token, so their time grows like N; the
+# attention's score matrix grows like N², so its share rises with N (read the printed shares).
+# `lm_head` runs on every position here (a forward that returns all logits); generation needs only
+# the last one.
 #
 # ## Measure: the N² of textbook attention
 #
 # `naive` attention builds the full `[batch, heads, N, N]` score matrix; `sdpa` is PyTorch's fused
 # kernel. SmolLM2's shape: 9 query heads, 3 KV heads, head_dim 64, batch 1, causal.
+#
+# **Predict first:** by what factor does naive attention's *peak memory* grow when N doubles from
+# 1024 to 2048? Write a number.
 
 # %%
-from llmlab.viz.baseline import attention_cost, plot_attention_cost
+my_prediction = ...   # YOUR ANSWER: a factor, e.g. 1.5
 
-ns = [128, 256, 512, 1024] if QUICK else [128, 256, 512, 1024, 2048]
-cost = [attention_cost(n, backend=b, repeats=2) for b in ("naive", "sdpa") for n in ns]
+# %%
+from llmlab.viz.baseline import attention_cost, fit_exponent, plot_attention_cost
+
+ns = [128, 256, 512, 1024, 2048]
+cost = [attention_cost(n, backend=b, repeats=5) for b in ("naive", "sdpa") for n in ns]
 fig = plot_attention_cost(cost, title=f"one causal attention call, 9 heads, d=64 ({device_name()})")
-for r in cost:
-    if r["n"] == ns[-1]:
-        print(f"{r['backend']:6s} N={r['n']}: {r['seconds'] * 1e3:6.1f} ms, "
-              f"peak {r['peak_bytes'] / 2**20:6.1f} MiB (one score matrix: {r['score_bytes'] / 2**20:.0f} MiB)")
+plt.show()
+for backend in ("naive", "sdpa"):
+    rs = [r for r in cost if r["backend"] == backend]
+    print(f"{backend:6s}: time ∝ N^{fit_exponent(ns[-3:], [r['seconds'] for r in rs[-3:]]):.2f}, "
+          f"peak memory ∝ N^{fit_exponent(ns[-3:], [r['peak_bytes'] for r in rs[-3:]]):.2f} "
+          f"(fits over N = {ns[-3]}…{ns[-1]}); at N = {ns[-1]}: {rs[-1]['seconds'] * 1e3:.1f} ms, "
+          f"peak {rs[-1]['peak_bytes'] / 2**20:.0f} MiB")
+print(f"one [1, 9, {ns[-1]}, {ns[-1]}] float32 score matrix: {4 * 9 * ns[-1] ** 2 / 2**20:.0f} MiB")
+
+# %%
+naive_peak = {r["n"]: r["peak_bytes"] for r in cost if r["backend"] == "naive"}
+exercises.check("nb01.predict_memory_growth", my_prediction, measured=naive_peak[2048] / naive_peak[1024])
 
 # %% [markdown]
-# Naive attention's peak memory follows the N² guide: doubling N quadruples it. That matrix is what
-# FlashAttention (notebook 03) never writes out.
+# Naive attention's peak memory follows the N² guide: the score matrix and its softmax are the
+# largest tensors of the call. That matrix is what FlashAttention (notebook 03) never writes out.
+# `sdpa`'s smaller peak shows PyTorch's fused kernel avoiding it too.
+#
+# ## Build: naive attention, inside the real model
+#
+# Write the textbook formula, softmax(Q Kᵀ / √d + mask) · V, for the shapes SmolLM2 uses:
+#
+# - `q` is `[batch, heads, n_q, d]`, `k` and `v` are `[batch, kv_heads, n_k, d]`, with
+#   `heads = 9`, `kv_heads = 3` in SmolLM2 (**grouped-query attention**): each KV head serves a
+#   contiguous group of `heads // kv_heads` query heads.
+# - `causal=True` masks the future, **aligned bottom-right**: the n_q queries are the *last* n_q
+#   positions of the n_k keys, so when n_q < n_k (a prompt continued, or one decode query) every
+#   query still sees all the keys before it.
+# - Return `[batch, heads, n_q, d]`.
+#
+# The check first tests small tensors (including n_q < n_k and grouped heads), then registers
+# your function as an attention backend with `llmlab.attention.register` and runs SmolLM2 with
+# it: the logits must be within 1e-4 of `naive`'s and the greedy tokens identical.
+
+# %%
+import math
+
+
+def naive_attention(q, k, v, causal=True):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb01.naive_attention", naive_attention)
+
+# %% [markdown]
+# **Compare with llmlab's.** The library's `naive` backend (`llmlab/attention/reference.py`) does
+# the same with two differences worth knowing. Its tensors are `[batch, seq, heads, d]`, the layout
+# of FlashAttention's API, so it transposes first. And it fills masked scores with the most
+# negative *finite* float rather than `-inf`, and runs the softmax in at least float32:
+#
+# ```python
+# scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+# probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+# ```
+#
+# With a padding mask a query can have *every* key masked; `-inf` everywhere makes its softmax
+# 0/0 = NaN, which then leaks into the next layer. (The stretch exercise below runs into this.)
 #
 # ## Check: naive and sdpa give the same answer
 
@@ -134,7 +245,8 @@ with torch.inference_mode():
     fast = llmlab.generate(model, tok, "Name a planet.", max_new_tokens=12)
     model.set_attention("naive")
     base = llmlab.generate(model, tok, "Name a planet.", max_new_tokens=12)
-print("max |Δ logits| < 1e-4:", (new - ref).abs().max().item() < 1e-4)
+err = (new - ref).abs().max().item()
+print(f"max |Δ logits| = {err:.1e}, below 1e-4: {err < 1e-4}")
 print("same greedy tokens:", fast.token_ids == base.token_ids, base.token_ids)
 
 # %% [markdown]
@@ -145,6 +257,7 @@ print("same greedy tokens:", fast.token_ids == base.token_ids, base.token_ids)
 
 # %%
 import ipywidgets as widgets
+
 from llmlab.viz.baseline import explore_attention
 
 widgets.interactive(lambda n=512, backend="naive": explore_attention(n, backend),
@@ -157,25 +270,50 @@ fig, r = explore_attention(1024, "naive")
 # %% [markdown]
 # ## Exercises
 #
-# 1. With no KV cache, how many token-passes does generating `T = 100` tokens after a `P = 30`
-#    token prompt cost? (Step t runs the model over P + t tokens.)
+# **1.** How many bytes does one float32 score matrix take for SmolLM2 (9 heads) at N = 8192,
+# batch 1?
 
 # %%
-from llmlab.exercises.nb01 import check_score_bytes, check_token_passes
-
-answer = ...  # YOUR CODE HERE
-check_token_passes(answer, prompt_len=30, new_tokens=100)
+answer = ...  # YOUR ANSWER: an int
+exercises.check("nb01.score_bytes", answer)
 
 # %% [markdown]
-# 2. How many bytes does one float32 score matrix take for SmolLM2 (9 heads) at N = 8192, batch 1?
+# **2.** With no KV cache, how many token-passes does generating `T = 100` tokens after a `P = 30`
+# token prompt cost? (Step t, from 0, runs the model over P + t tokens.)
 
 # %%
-answer = ...  # YOUR CODE HERE
-check_score_bytes(answer, n=8192, heads=9)
+answer = ...  # YOUR ANSWER: an int
+exercises.check("nb01.token_passes", answer)
+
+# %% [markdown]
+# **3. Stretch: padding.** A batch of prompts of different lengths is *left-padded* to one length,
+# and the attention must ignore the padding keys. Write `padded_attention(q, k, v,
+# key_padding_mask, causal=True)` with `key_padding_mask` `[batch, n_k]` bool, True for real
+# tokens, combined with the causal mask. A padding *query* at the start of a row has every key
+# masked: its output is not used, but it must not be NaN. The check runs SmolLM2 on a left-padded
+# batch of two prompts with it.
+
+# %%
+def padded_attention(q, k, v, key_padding_mask, causal=True):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb01.padded_attention", padded_attention)
 
 # %% [markdown]
 # ## Takeaways
 #
-# - The baseline recomputes the whole sequence each step: quadratic work for linear output.
+# - The baseline recomputes the whole sequence each step: quadratic work for linear output, and each step is compute-bound.
 # - Matrix multiplies dominate; attention's share grows with N because its scores grow as N².
-# - Swapping `naive` for `sdpa` changes speed and memory, not the answer.
+# - Swapping `naive` for `sdpa` (or for your own attention) changes speed and memory, not the answer.
+#
+# ## Further reading
+#
+# - Vaswani et al. *Attention Is All You Need.* NeurIPS 2017. [arXiv:1706.03762](https://arxiv.org/abs/1706.03762)
+# - Touvron et al. *LLaMA: Open and Efficient Foundation Language Models.* 2023. [arXiv:2302.13971](https://arxiv.org/abs/2302.13971)
+# - Ainslie et al. *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints.* EMNLP 2023. [arXiv:2305.13245](https://arxiv.org/abs/2305.13245)
+# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - Zhong et al. *DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language Model Serving* (TTFT and TPOT). OSDI 2024. [arXiv:2401.09670](https://arxiv.org/abs/2401.09670)
+# - Dao et al. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135)
+# - All references of the workbook: [REFERENCES.md](REFERENCES.md)

@@ -2,21 +2,23 @@
 # # 02 · The KV cache, and the roofline
 #
 # **Why.** Notebook 01 ran the textbook loop: every new token re-runs the model over the whole
-# sequence, so T new tokens cost O(T²) token-passes. The seed article on LLM inference (seed 001)
-# points at the waste: at step 2 the input "the dog sat" recomputes the keys and values of
-# "the dog", already computed at step 1. Caching K and V removes that: the prompt is processed
-# once (**prefill**, TTFT), then each step feeds only the newest token (**decode**, TPOT).
+# sequence, so T new tokens cost a number of token-passes quadratic in T. Yet the keys and values
+# an attention layer computes for a token never change once the token is written (each depends
+# only on the tokens before it). Keeping them — a **KV cache** — means the prompt is processed once
+# (**prefill**, which sets TTFT) and then each step feeds only the newest token (**decode**, TPOT).
+# The idea is as old as Transformer decoding; Shazeer (2019) and Pope et al. (2023) analyse its
+# cost.
 #
-# The same article names the catch: with a cache the query of a decode step is a single vector,
-# so the big matrix–matrix products (GEMM) become matrix–vector products (GEMV), and the work
-# turns from **compute-bound** (prefill) to **memory-bound** (decode). The cache also costs
-# memory: the seed article on inference frameworks (seed 000) quotes a 13B model whose weights
-# take 26 GB and whose KV cache needs about 3 GB for one prompt sequence. We check that figure,
-# build the cache, confirm it changes no token, then measure where prefill and decode sit on
-# this machine's roofline.
+# The catch is two-fold. With a cache a decode step multiplies each weight matrix by a single
+# vector (a matrix–vector product, GEMV) instead of a matrix (GEMM): the step turns from
+# **compute-bound** to **memory-bound**, its time set by reading the weights. And the cache costs
+# memory: Kwon et al. (2023) serve a 13B-parameter model on a 40 GB A100 where the weights take
+# 26 GB (65%) and the KV caches of the requests in flight more than 30%; they count 800 KB of K and V
+# per token for OPT-13B, up to 1.6 GB for one 2048-token request. We check that figure, build the
+# cache, confirm it changes no token, then measure where prefill and decode sit on this machine's
+# roofline.
 
 # %%
-import inspect
 import os
 
 import matplotlib.pyplot as plt
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 import llmlab
+from llmlab import exercises
 from llmlab.cache import ContiguousKVCache, kv_bytes_per_token, kv_cache_bytes
 from llmlab.config import ModelConfig
 from llmlab.device import device_name
@@ -38,45 +41,107 @@ print(device_name())
 # %% [markdown]
 # ## Why, in numbers: how big is a KV cache?
 #
-# Every layer stores one key and one value vector per KV head for every token:
-# **bytes per token = 2 · layers · kv_heads · head_dim · bytes per element**.
-# Llama-2-13B has 40 layers and 40 KV heads of dim 128 (no grouped-query attention); SmolLM2-135M
-# has 30 layers but only 3 KV heads of dim 64 (its 9 query heads share them, 3 each).
+# Every layer keeps one key and one value vector per KV head for every token.
+# Llama-2-13B has OPT-13B's shape here: 40 layers and 40 KV heads of dim 128 (no grouped-query
+# attention). SmolLM2-135M has 30 layers but only 3 KV heads of dim 64 (its 9 query heads share
+# them, 3 each).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 llama13b = ModelConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40,
                        num_heads=40, num_kv_heads=40, head_dim=128, max_position_embeddings=4096)
 per_tok_13b = kv_bytes_per_token(llama13b, bytes_per_el=2)
-print(f"Llama-2-13B, float16: {per_tok_13b:,} bytes per token (~{per_tok_13b / 1e6:.2f} MB)")
-print(f"  one 4096-token sequence: {kv_cache_bytes(llama13b, 1, 4096, 2) / 1e9:.2f} GB "
-      "(seed 000: 'about 3 GB per prompt sequence')")
+print(f"13B shape, float16: {per_tok_13b:,} bytes = {per_tok_13b / 2**10:.0f} KiB per token")
+print(f"  one 2048-token request: {kv_cache_bytes(llama13b, 1, 2048, 2) / 2**30:.2f} GiB; "
+      f"one 4096-token sequence: {kv_cache_bytes(llama13b, 1, 4096, 2) / 2**30:.2f} GiB")
 print(f"SmolLM2-135M, float32: {kv_bytes_per_token(cfg, 4):,} bytes per token; "
       f"float16: {kv_bytes_per_token(cfg, 2):,}")
 
 # %% [markdown]
 # ## How: a preallocated cache, prefill, then decode
 #
-# `llmlab.cache.ContiguousKVCache` allocates, per layer, K and V tensors of shape
-# `[batch, kv_heads, max_len, head_dim]` once. The attention layer hands the new tokens' rotated
-# K/V to `cache.attend`, which writes them into the next slots and attends over everything stored:
+# A contiguous cache allocates, per layer, one K and one V tensor of shape
+# `[batch, kv_heads, max_len, head_dim]`, once, for the longest sequence the generation can reach:
+# no step allocates. Slots `0 … length−1` hold the tokens so far. Around each forward of the
+# model the generator calls three methods:
+#
+# ```python
+# positions = cache.begin(num_new)                       # announce the new tokens
+# logits = model(ids, positions=positions, cache=cache)  # every layer calls cache.attend(...)
+# cache.advance()                                        # commit them
+# ```
+#
+# and inside the forward each attention layer hands the cache its new tokens' rotated
+# queries, keys and values, and gets back the attention output:
+#
+# `cache.attend(layer_idx, q, k, v, backend)`, with `q` `[batch, num_new, heads, head_dim]` and
+# `k`, `v` `[batch, num_new, kv_heads, head_dim]`, returns `[batch, num_new, heads, head_dim]`.
+#
+# For the prefill `num_new` is the prompt length; for a decode step it is 1. `backend.forward(q,
+# k, v, causal=True)` is the attention of notebook 01 in the `[batch, seq, heads, head_dim]`
+# layout, with the causal mask aligned bottom-right — so one new query sees every key before it.
+#
+# ## Build: your KV cache
+#
+# `KVCacheBase` gives you the storage (`self.k[layer]`, `self.v[layer]`), `self.length` (slots
+# committed), `self.pending` (tokens announced by `begin`) and `begin` itself. You write:
+#
+# - `append(layer_idx, k, v)`: store the new tokens' keys and values in the next free slots;
+# - `attend(layer_idx, q, k, v, backend)`: append, then attend the new queries over **every**
+#   stored token of that layer;
+# - `advance()`: commit the announced tokens.
+#
+# The check drives your cache by hand on small tensors, then runs `llmlab.generate` on SmolLM2
+# with it: the 32 greedy tokens must be exactly those of `kv_cache="none"`, and it reports how many
+# positions the model computed and whether the time per step stays flat.
 
 # %%
-print(inspect.getsource(ContiguousKVCache.attend))
+from llmlab.exercises.nb02 import KVCacheBase
+
+
+class MyKVCache(KVCacheBase):
+    def append(self, layer_idx, k, v):
+        # YOUR CODE HERE
+        raise NotImplementedError
+
+    def attend(self, layer_idx, q, k, v, backend):
+        # YOUR CODE HERE
+        raise NotImplementedError
+
+    def advance(self):
+        # YOUR CODE HERE
+        raise NotImplementedError
+
+
+verdict = exercises.check("nb02.kv_cache", MyKVCache)
+verdict
 
 # %% [markdown]
-# Rows of a batch are left-padded and share one write offset; `cache.begin` records which new slots
-# are real tokens and returns their positions (counting real tokens only), `cache.advance` commits
-# them. For a decode step the cache uses one more trick: under grouped-query attention the 3 query
-# heads that share a KV head are moved into the query-length axis, so the backend reads the cache
-# without copying K/V once per query head:
+# Once it passes, your cache is a cache like any other: register it by name and generate with it.
 
 # %%
-from llmlab.cache.contiguous import decode_grouped
-
-print(inspect.getsource(decode_grouped)[inspect.getsource(decode_grouped).index("    b, _"):])
+if verdict:
+    llmlab.cache.register("mine", MyKVCache.for_model)
+    mine = llmlab.generate(model, tok, "Explain in two sentences why the sky is blue.",
+                           max_new_tokens=24, kv_cache="mine")
+    print(repr(mine.text))
+else:
+    print("finish MyKVCache above first; this cell then generates with it")
 
 # %% [markdown]
+# **Compare with llmlab's.** `llmlab.cache.ContiguousKVCache` does what yours does, plus two
+# things. It serves a **left-padded batch** (prompts of different lengths): `begin(num_new,
+# attention_mask)` records which slots hold real tokens and counts positions over real tokens only,
+# and `attend` passes that `key_padding_mask` to the backend (the stretch exercise). And for a decode
+# step it avoids copying K/V per query head: under grouped-query attention the 3 query heads that
+# share a KV head are moved into the query-length axis, so the backend sees 3 KV heads with 3
+# queries each:
+#
+# ```python
+# qg = q.reshape(b, kv_heads, groups, d).transpose(1, 2)      # [b, 1, heads, d] -> [b, groups, kv_heads, d]
+# out = backend.forward(qg, k_cache, v_cache, causal=False)    # each KV head read once, not 3 times
+# ```
+#
 # A whole generation is then one prefill and a loop of decode steps
 # (`llmlab.generate(..., kv_cache="contiguous")` does exactly this):
 
@@ -124,12 +189,11 @@ with torch.inference_mode():
         cache.advance()
 err = (torch.cat(got, 1) - reference).abs().amax(-1)[mask.bool()].max().item()
 print("prompt lengths:", [len(f) - len(follow) for f in full])
-print("max |Δ logits| over real tokens < 1e-3:", err < 1e-3)
+print(f"max |Δ logits| over real tokens = {err:.1e}, below 1e-3: {err < 1e-3}")
 
 # %% [markdown]
 # Then the tokens: greedy generation with and without the cache, past the end-of-sequence token
-# (`ignore_eos=True`) so every run generates the same number of tokens. These two runs are also
-# what we time below.
+# (`ignore_eos=True`) so both runs generate the same number of tokens.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -143,47 +207,77 @@ print("same greedy tokens:", no_cache.token_ids == cached.token_ids)
 print(repr(cached.text[:70]))
 
 # %% [markdown]
-# ## Measure: quadratic against linear, TTFT and TPOT
+# ## Measure: one step, with and without the cache
 #
-# `token_times_s` holds when each token arrived. Without the cache each step is slower than the
-# last (it re-reads a longer sequence), so the total grows quadratically; with the cache every
-# decode step costs about the same, and the total grows linearly.
+# A no-cache step at sequence length n is a forward over n tokens; a cached decode step at length n
+# is a forward over one token that reads n − 1 cached keys and values. Both timed at several n,
+# median of 5 runs after a warm-up (band: min–max):
 
 # %%
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.3), dpi=80)
-for g, label in ((no_cache, "no cache"), (cached, "KV cache")):
-    t = np.array(g.token_times_s)
-    a1.plot(np.arange(1, len(t) + 1), np.diff(np.concatenate([[0.0], t])) * 1e3, ".-", label=label)
-    a2.plot(np.arange(1, len(t) + 1), t, ".-", label=label)
-a1.set(xlabel="token #", ylabel="ms for this token", title="time per token", yscale="log")
-a2.set(xlabel="tokens generated", ylabel="seconds since start", title="total time")
-for a in (a1, a2):
-    a.grid(True, alpha=0.3)
-    a.legend(fontsize=8)
+from llmlab.viz.baseline import (cached_step_times, fit_exponent, fit_line, forward_step_times,
+                                 generation_totals, plot_generation_totals, plot_step_times)
+
+lengths = [8, 64, 128, 192, 256, 320] if QUICK else [8, 32, 64, 128, 192, 256, 320]
+no_cache_steps = forward_step_times(model, lengths, repeats=5)
+cache_steps = cached_step_times(model, lengths, repeats=5)
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=80)
+plot_step_times([no_cache_steps, cache_steps], ax=a1, title="time per step")
+fits = {}
+for rows in (no_cache_steps, cache_steps):
+    a, b = fits[rows[0].label] = fit_line(lengths, [r.median_s * 1e3 for r in rows])
+    print(f"{rows[0].label:>9}: {a:6.1f} ms + {b:6.3f} ms per token in the sequence "
+          f"({rows[-1].median_s / rows[0].median_s:.1f}× from {lengths[0]} to {lengths[-1]} tokens)")
+a, b = fits["no cache"]
+print(f"a no-cache step's per-token part (b·n) outgrows its fixed part (a) at n ≈ {a / b:.0f} tokens")
+
+# A generation of T = 300 tokens after an 8-token prompt, built from these medians: token t
+# costs the step at length 8 + t (no cache), or the prefill and then decode steps (cache).
+P, T = 8, 300
+t_axis = np.arange(1, T + 1)
+totals = {"no cache": generation_totals(no_cache_steps, P, T, cached=False),
+          "KV cache": generation_totals(cache_steps, P, T, cached=True, prefill=no_cache_steps[0])}
+passes = {"no cache": np.cumsum(P + np.arange(T)),
+          "KV cache": np.cumsum(np.r_[P, np.ones(T - 1)])}
+plot_generation_totals(t_axis, totals, passes, ax=a2,
+                       title=f"generating T tokens after {P} (from the step medians)")
 fig.suptitle(device_name(), fontsize=9)
 fig.tight_layout()
 plt.show()
-
-# %%
-for g, label in ((no_cache, "no cache"), (cached, "KV cache")):
-    m = g.metrics
-    print(f"{label:>9}: TTFT {m.ttft_s * 1e3:7.1f} ms | TPOT {m.tpot_s * 1e3:7.1f} ms | "
-          f"{m.tokens_per_s:5.1f} tokens/s")
-print(f"speed-up of the whole generation: {no_cache.metrics.e2e_s / cached.metrics.e2e_s:.1f}x "
-      f"for {N_NEW} tokens (it grows with the length)")
+window = slice(99, T)   # T = 100 … 300
+for label, tot in totals.items():
+    print(f"{label:>9}: {tot[-1]:5.1f} s for {T} tokens; total time ∝ T^"
+          f"{fit_exponent(t_axis[window], tot[window]):.2f}, token-passes ∝ T^"
+          f"{fit_exponent(t_axis[window], passes[label][window]):.2f} (fits over T = 100…300)")
+print(f"the cache makes the whole generation {totals['no cache'][-1] / totals['KV cache'][-1]:.1f}× "
+      f"faster at T = {T}")
 
 # %% [markdown]
-# TTFT is about the same either way (both run the prompt once before the first token); the cache
-# wins on TPOT. The price is memory that grows linearly with sequence length *and* batch size —
-# for SmolLM2 in float32 below, with the weights for scale. The formula is checked against the
-# bytes of a real cache:
+# Read the fits: without the cache each step's time grows with the sequence, so the total grows
+# faster than linearly (the exponent printed for "no cache", heading for the 2 of its token-pass
+# count, dashed); with the cache a step costs about the same at every length and the total grows
+# linearly. Below the length printed above, a no-cache step's fixed part (reading the weights,
+# per-operator overheads) outweighs its per-token part, and the quadratic hides: a 40-token
+# generation looks almost linear, which is why this plot goes to 300 tokens.
+#
+# TTFT and TPOT from the same medians: both start with the same prompt forward; the cache wins on
+# every later token.
+
+# %%
+ttft = no_cache_steps[0].median_s
+tpot = {label: (tot[-1] - tot[0]) / (T - 1) for label, tot in totals.items()}
+for label in totals:
+    print(f"{label:>9}: TTFT {ttft * 1e3:6.1f} ms | mean TPOT over {T} tokens {tpot[label] * 1e3:6.1f} ms")
+
+# %% [markdown]
+# The price is memory that grows linearly with sequence length *and* batch size — for SmolLM2 in
+# float32 below, with the weights for scale. The byte count is checked against a real cache:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from llmlab.viz.roofline import plot_cache_memory
 
 real = ContiguousKVCache.for_model(model, batch=4, max_len=1024)
-print("formula == bytes of the real cache tensors:",
+print("computed bytes == bytes of the real cache tensors:",
       kv_cache_bytes(cfg, 4, 1024, 4) == real.nbytes, f"({real.nbytes / 2**20:.0f} MiB)")
 del real
 
@@ -194,19 +288,18 @@ plt.show()
 # %% [markdown]
 # ## Measure: the roofline
 #
-# Two numbers bound any kernel on this machine: how fast memory can be streamed (a large copy) and
-# how fast it can multiply (a large matmul). A forward that does F FLOPs while moving B bytes has
-# arithmetic intensity I = F / B and can at best run at min(peak FLOP/s, bandwidth · I).
-# `llmlab.profiling.roofline` measures the two ceilings and models F and B of a prefill and of a
-# decode step (weights read once, activations, KV cache read and written); then we time real
-# forwards and place them on the plot.
+# Two numbers bound any computation on this machine (Williams et al., 2009): how fast memory can
+# be streamed (a large copy) and how fast it can multiply (a large matmul). A forward that does F
+# FLOPs while moving B bytes has arithmetic intensity I = F / B and can at best run at
+# min(peak FLOP/s, bandwidth · I). `llmlab.profiling.roofline` measures the two ceilings (the best of
+# 5 runs: a ceiling is what the machine *can* do) and models F and B of a prefill and of a decode
+# step (weights read once, activations, KV cache read and written).
 
 # %%
-from llmlab.profiling.roofline import (decode_cost, measure_ceilings, prefill_cost,
-                                       time_decode_step, time_prefill)
+from llmlab.profiling.roofline import RooflinePoint, decode_cost, measure_ceilings, prefill_cost
 from llmlab.viz.roofline import explore, plot_roofline
 
-ceil = measure_ceilings(copy_bytes=128 * 2**20, matmul_n=1024, repeats=3)
+ceil = measure_ceilings(copy_bytes=128 * 2**20, matmul_n=1024, repeats=5)
 print(f"{ceil.device}: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
       f"matmul {ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, ridge point {ceil.ridge_point:.1f} FLOP/byte")
 
@@ -215,22 +308,52 @@ print(f"{ceil.device}: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
 print(f"modelled intensity, float32: prefill of 128 tokens {prefill_cost(cfg, 1, 128).intensity:.0f}"
       f" FLOP/byte; decode step, batch 1: {decode_cost(cfg, 1, 128).intensity:.2f} FLOP/byte")
 
+# %% [markdown]
+# **Explain.** Why does a batch-1 decode step sit at about 0.5 FLOP/byte in float32?
+#
+# - (a) the KV cache it reads dominates the bytes;
+# - (b) each 4-byte weight is read once and used for one multiply and one add;
+# - (c) softmax is expensive;
+# - (d) this machine's memory is slow.
+
+# %%
+answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
+exercises.check("nb02.explain_decode_intensity", answer)
+
+# %% [markdown]
+# **Predict, then measure.** A decode step at batch 16 feeds 16 tokens instead of 1 (each with 128
+# cached tokens). Compared with batch 1, the step takes: (a) about 16× longer, (b) between 5× and
+# 10× longer, (c) less than 5× longer?
+
+# %%
+my_prediction = ...   # YOUR ANSWER: "a", "b" or "c"
+
 # %%
 CONTEXT = 128
 batches = [1, 4] if QUICK else [1, 4, 16]
-points = [time_prefill(model, 1, 64 if QUICK else 128, repeats=2)]
-points += [time_decode_step(model, b, CONTEXT, repeats=3) for b in batches]
-for p in points:
-    print(f"{p.label:>22}: {p.seconds * 1e3:7.1f} ms, {p.intensity:6.2f} FLOP/byte, "
-          f"{p.flops_per_s / 1e9:5.1f} GFLOP/s = {p.share_of_roof(ceil):.0%} of the roof there")
-plot_roofline(ceil, points, title=f"roofline, measured: {device_name()}")
+prefill = forward_step_times(model, [CONTEXT], repeats=5)[0]
+decodes = {b: cached_step_times(model, [CONTEXT + 1], repeats=5, batch=b)[0] for b in batches}
+timings = [prefill] + list(decodes.values())
+costs = [prefill_cost(cfg, 1, CONTEXT)] + [decode_cost(cfg, b, CONTEXT) for b in batches]
+points = [RooflinePoint(c, t.median_s) for c, t in zip(costs, timings)]
+for p, t in zip(points, timings):
+    print(f"{p.label:>22}: {p.seconds * 1e3:7.1f} ms (min {t.lo_s * 1e3:.1f}, max {t.hi_s * 1e3:.1f}), "
+          f"{p.intensity:6.2f} FLOP/byte, {p.flops_per_s / 1e9:5.1f} GFLOP/s = "
+          f"{p.share_of_roof(ceil):.0%} of the roof there")
+plot_roofline(ceil, points, title=f"roofline, measured (median of 5): {device_name()}",
+              spreads=[(t.lo_s, t.hi_s) for t in timings])
 plt.show()
 
+# %%
+ratio = decodes[batches[-1]].median_s / decodes[1].median_s
+print(f"decode step, batch {batches[-1]} / batch 1: {ratio:.2f}× the time for {batches[-1]}× the tokens")
+exercises.check("nb02.predict_batch_decode", my_prediction, measured=ratio)
+
 # %% [markdown]
-# At batch 1 a decode step does about 2 FLOPs per 4-byte weight it reads: intensity ≈ 0.5, deep in
-# the memory-bound region, so its best possible speed is set by bandwidth, not by arithmetic. More
-# sequences per step reuse each weight read (the GEMV becomes a skinny GEMM) and the point climbs
-# toward the compute roof. Prefill is already there.
+# More sequences per step reuse each weight read (the GEMV becomes a skinny GEMM), and the point
+# climbs toward the compute roof. The prefill is far to the right already. The printed shares of
+# the roof say how close each gets on this machine; on a GPU, whose ridge point is in the hundreds
+# of FLOP/byte, batch-1 decode is even further below it.
 
 # %% [markdown]
 # ## Play: batch size and sequence length
@@ -242,7 +365,6 @@ plt.show()
 
 # %%
 import ipywidgets as widgets
-
 
 
 def play(batch: int, seq_len: int) -> None:
@@ -263,15 +385,11 @@ plt.show()
 # ## Exercises
 #
 # **1.** How many bytes of KV cache does one token take in Llama-2-7B in float16 (32 layers, 32 KV
-# heads, head_dim 128)? *Hint:* `llmlab.cache.kv_bytes_per_token`, or by hand.
+# heads, head_dim 128)? By hand: what does each layer store per token?
 
 # %%
-from llmlab.exercises import nb02
-
-# YOUR CODE HERE
-answer = None  # an int: bytes per token
-# END
-nb02.check_kv_bytes_7b(answer)
+answer = ...  # YOUR ANSWER: an int, bytes per token
+exercises.check("nb02.kv_bytes_7b", answer)
 
 # %% [markdown]
 # **2.** On a machine whose ridge point is 10 FLOP/byte, what is the smallest batch size at which a
@@ -280,14 +398,39 @@ nb02.check_kv_bytes_7b(answer)
 # naive guess "intensity ≈ batch / 2".
 
 # %%
-# YOUR CODE HERE
-answer = None  # an int: the smallest batch size
-# END
-nb02.check_compute_bound_batch(answer, cfg, context=512, ridge_point=10.0)
+answer = ...  # YOUR ANSWER: an int, the smallest batch size
+exercises.check("nb02.compute_bound_batch", answer)
+
+# %% [markdown]
+# **3. Stretch: a cache for a left-padded batch.** Extend your cache so `begin(num_new,
+# attention_mask)` accepts a `[batch, num_new]` mask (1 for real tokens, 0 for left padding):
+# remember which slots are padding, return positions that count real tokens only (a padded row's
+# first real token is position 0), and let `attend` hide the padding keys
+# (`backend.forward(..., key_padding_mask=...)`, `[batch, n_k]` bool). The check generates for two
+# prompts of different lengths at once, which must give each the tokens it gets alone.
+
+# %%
+class MyPaddedKVCache(MyKVCache):
+    # YOUR CODE HERE: __init__ (extra state), begin, attend, advance
+    def begin(self, num_new, attention_mask=None):
+        raise NotImplementedError
+
+
+exercises.check("nb02.padded_kv_cache", MyPaddedKVCache)
 
 # %% [markdown]
 # ## Takeaways
 #
-# - The KV cache turns O(T²) token-passes into O(T): same tokens, TTFT unchanged, TPOT flat.
+# - The KV cache turns a quadratic number of token-passes into a linear one: same tokens, the same TTFT, a flat TPOT.
 # - It costs 2 · layers · kv_heads · head_dim · bytes per token per sequence: grouped-query attention and batch size decide whether it fits.
-# - Decode is memory-bound (≈ 0.5 FLOP/byte at batch 1, float32); batching climbs the roofline until each sequence's own KV reads cap it.
+# - A decode step is memory-bound (≈ 0.5 FLOP/byte at batch 1, float32); batching climbs the roofline until each sequence's own KV reads cap it.
+#
+# ## Further reading
+#
+# - Shazeer. *Fast Transformer Decoding: One Write-Head is All You Need* (incremental decoding and its memory traffic). 2019. [arXiv:1911.02150](https://arxiv.org/abs/1911.02150)
+# - Pope et al. *Efficiently Scaling Transformer Inference.* MLSys 2023. [arXiv:2211.05102](https://arxiv.org/abs/2211.05102)
+# - Kwon et al. *Efficient Memory Management for Large Language Model Serving with PagedAttention.* SOSP 2023. [arXiv:2309.06180](https://arxiv.org/abs/2309.06180)
+# - Ainslie et al. *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints.* EMNLP 2023. [arXiv:2305.13245](https://arxiv.org/abs/2305.13245)
+# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - Zhong et al. *DistServe* (TTFT and TPOT as service objectives). OSDI 2024. [arXiv:2401.09670](https://arxiv.org/abs/2401.09670)
+# - All references of the workbook: [REFERENCES.md](REFERENCES.md)

@@ -2,32 +2,32 @@
 # # 04 · PagedAttention: KV memory in pages
 #
 # **Why.** With a KV cache (notebook 02) every sequence keeps K and V for all its tokens, and that
-# memory, not compute, decides how many requests a server can run at once. The seed article on
-# inference acceleration (seed 000) describes serving a 13B model on an A100: the weights take
-# 26 GB, and the KV cache of the requests in flight grows quickly with load, is allocated and freed
-# constantly, and fragments memory. The vLLM paper (Kwon et al., SOSP 2023) measured that systems
-# which reserve one contiguous region per request used only **20.4%–38.2%** of their KV memory for
-# actual token states; the rest was reserved for tokens not yet generated, over-provisioned for
-# tokens that never come, or lost between allocations. Borrowing *paging* from operating systems —
-# fixed-size blocks, a per-sequence block table, blocks allocated on demand — brought the waste
-# **under 4%**, and vLLM served LLaMA 7B/13B with more than 10× the throughput of HF transformers
-# (the vLLM blog, cited in seed 000).
+# memory, not compute, decides how many requests a server can run at once. Kwon et al. (SOSP 2023)
+# draw the budget of a 13B-parameter model on a 40 GB A100: the weights take 26 GB, about 65% of
+# the memory, and the KV cache of the requests in flight gets most of the rest. They measured
+# that serving systems which reserve one contiguous region per request kept only **20.4%–38.2%**
+# of that KV memory filled with token states: the rest was reserved for tokens not generated
+# yet, over-provisioned for tokens that never come, or lost in holes between regions. Borrowing
+# *paging* from operating systems (fixed-size blocks, a per-sequence block table, blocks
+# allocated on demand) brought the waste **under 4%**. The larger batches that fit in the saved
+# memory gave vLLM **2–4×** the throughput of FasterTransformer and Orca at the same latency.
 #
-# This notebook builds that memory manager and the attention that reads through it, checks that the
-# model's tokens do not change, and measures the waste on a request trace.
+# This notebook builds that memory manager (you write its allocator), checks that the model's
+# tokens do not change when K/V live in pages, measures the waste on a request trace, and models
+# what the saved memory buys on a GPU.
 
 # %%
-import inspect
 import os
 
 import ipywidgets as widgets
 import torch
 
 import llmlab
-from llmlab.cache.block_manager import BlockManager, NoFreeBlocksError
-from llmlab.cache.paged import PagedKVCache, generate_paged
+from llmlab import exercises
 from llmlab.cache import waste
-from llmlab.device import device_name
+from llmlab.cache.block_manager import BlockManager, NoFreeBlocksError
+from llmlab.cache.paged import PagedKVCache
+from llmlab.device import TRITON_MISSING, device_name, has_triton
 from llmlab.viz import paged as pviz
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
@@ -49,17 +49,20 @@ print(f"reserving 2048 tokens for a request that uses 300: {2048 * per_token / 2
 # %% [markdown]
 # ## How: blocks, block tables, reference counts
 #
-# The pool is cut into `num_blocks` blocks of `block_size` token slots. A sequence's **block
-# table** maps its logical blocks to physical ones, like a page table: token `pos` lives at slot
-# `table[pos // block_size] * block_size + pos % block_size`. A new block is taken from the free
-# list only when the last one is full, so a sequence wastes at most `block_size − 1` slots.
+# The pool is cut into `num_blocks` blocks of `block_size` token slots; per layer it is one tensor
+# `[num_blocks, block_size, kv_heads, head_dim]`. A sequence's **block table** maps its *logical*
+# blocks (its first `block_size` tokens, the next `block_size`, ...) to *physical* blocks anywhere
+# in the pool, the way a page table maps virtual pages to physical frames. A new block is taken
+# from the free list only when the sequence's last block is full, so a sequence never holds more
+# than one partly filled block.
 #
-# Blocks carry reference counts, which enable sharing:
-# * **fork** (parallel sampling, beam search) gives a child the parent's table; the first write into a
-#   shared, partly filled block **copies it first** (copy-on-write).
-# * **prefix caching** names every full block by a hash of its tokens chained with its parent block's
-#   hash; a new prompt that starts with the same blocks reuses them (tokens compared on a hit). The
-#   last prompt token is always recomputed — its logits are needed.
+# Blocks carry **reference counts**, which make sharing safe:
+# * **fork** (parallel sampling, beam search) gives a child the parent's table and counts one more
+#   reference on each block; the first write into a shared, partly filled block **copies it
+#   first** (copy-on-write), so neither sequence sees the other's new tokens.
+# * **prefix caching** names every full block by a hash of its tokens chained with its parent
+#   block's hash; a new prompt that starts with the same blocks reuses them (the tokens are
+#   compared on a hit). The last prompt token is always recomputed, because its logits are needed.
 #
 # Running out of blocks raises `NoFreeBlocksError` before anything changes, so a scheduler can
 # preempt a sequence instead (notebook 05).
@@ -69,18 +72,14 @@ print(f"reserving 2048 tokens for a request that uses 300: {2048 * per_token / 2
 bm = BlockManager(num_blocks=8, block_size=4)
 print("cached prefix tokens:", bm.allocate("A", list(range(10))))     # 10 tokens -> 3 blocks
 print("A's table:", bm.block_table("A"), "| free blocks:", bm.num_free_blocks)
-print("slot of token 9:", bm.slot("A", 9))
 bm.fork("A", "B")                                                      # share all 3 blocks
 print("after fork, refcounts:", bm.allocator.ref_counts[:4])
 print("B appends -> (slot, copy-on-write):", bm.append_slot("B", 42))
-print("B's table:", bm.block_table("B"))
+print("B's table:", bm.block_table("B"), "| refcounts:", bm.allocator.ref_counts[:4])
 try:
     bm.allocate("C", list(range(100, 120)))                            # needs 5 blocks
 except NoFreeBlocksError as e:
     print("NoFreeBlocksError:", e)
-
-# %%
-print(inspect.getsource(BlockManager.append_slot))
 
 # %% [markdown]
 # The picture: physical blocks as a grid, coloured by owner, filled as far as their tokens go.
@@ -90,20 +89,113 @@ print(inspect.getsource(BlockManager.append_slot))
 fig = pviz.plot_block_map_story()
 
 # %% [markdown]
-# In the model, a `PagedKVCache` holds one pool per layer, `[num_blocks, block_size, kv_heads,
-# head_dim]`. Each attention layer calls `cache.attend(layer_idx, q, k, v, backend)`: the new K/V are
-# written by **slot mapping** (slot −1 for padding is skipped), then attention reads K/V *through
-# the block table*. Two backends do that: `paged` (PyTorch: gather, then the textbook formula) and
-# `paged_triton` (a kernel that looks up each key's block as it goes, `llmlab.kernels.paged_attn`).
+# ### Exercise 1 (build): where does a token live?
+#
+# The attention kernel and the cache writer need, for token `position` of a sequence, its *slot*:
+# its row in the pool flattened to `[num_blocks * block_size, kv_heads, head_dim]`. Write
+# `slot_of(block_table, position, block_size)`. Work it out from the picture above: which logical
+# block holds the position, which physical block that is, and how far into it the token sits.
 
 # %%
-print(inspect.getsource(PagedKVCache.attend))
+def slot_of(block_table, position, block_size):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb04.slot_of", slot_of)
+
+# %% [markdown]
+# Compare with llmlab's: `BlockManager.slot(seq_id, position)` computes the same from the
+# sequence's own table, and `PagedKVCache.prepare` turns every new token's slot into the
+# `slot_mapping` that the K/V writes use (slot −1 marks a pad, which is skipped).
+#
+# ### Exercise 2 (build): the block allocator
+#
+# Under the block tables sits the pool itself: which physical blocks are free, and how many block
+# tables point at each (its **reference count**). `BlockManager` asks only this of it:
+#
+# | member | used when |
+# |---|---|
+# | `allocate() -> block` | a prompt is allocated, a sequence grows past a block, a copy-on-write needs a copy. The new block has count 1. With no free block it raises `NoFreeBlocksError(1, 0)`: the scheduler catches that one to preempt. |
+# | `incref(block)` | fork: the child's table points at the parent's blocks |
+# | `decref(block) -> int` | a sequence lets go of a block (it finished, was preempted, or copy-on-write moved it to a copy); returns the count left; at 0 the block is free again |
+# | `num_free` | can a prompt or a new block be served? (`can_allocate`, `can_append`) |
+# | `ref_counts[block]` | copy-on-write: a write into a partly filled block whose count is above 1 copies it first |
+#
+# Write `MyBlockAllocator(num_blocks, block_size)`; block ids are `0 .. num_blocks − 1`. The
+# checker puts your class under llmlab's block tables (`BlockManager(..., allocator=...)`,
+# prefix caching off), runs 10,000 random allocate / append / fork / free operations against a
+# model of what every sequence has written, then serves SmolLM2 through the serving engine with
+# your allocator, a fork and a preemption included, and compares the tokens with llmlab's.
+
+# %%
+from llmlab.cache.block_manager import NoFreeBlocksError
+
+
+class MyBlockAllocator:
+    """A pool of `num_blocks` physical KV blocks: a free list and a reference count each."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # YOUR CODE HERE: self.ref_counts (a list, one count per block) and a free list
+        raise NotImplementedError
+
+    @property
+    def num_free(self):
+        # YOUR CODE HERE: how many blocks allocate() can still hand out
+        raise NotImplementedError
+
+    def allocate(self):
+        # YOUR CODE HERE: take a free block, set its count to 1, return its id;
+        # raise NoFreeBlocksError(1, 0) when none is free
+        raise NotImplementedError
+
+    def incref(self, block):
+        # YOUR CODE HERE: one more block table points at `block` (a fork)
+        raise NotImplementedError
+
+    def decref(self, block):
+        # YOUR CODE HERE: one table lets go of `block`; at 0 it is free again.
+        # Return the count that is left.
+        raise NotImplementedError
+
+
+exercises.check("nb04.block_allocator", MyBlockAllocator, model=model, tokenizer=tok)
+
+# %% [markdown]
+# Compare with llmlab's: `llmlab.cache.block_manager.BlockAllocator` is this pool plus the prefix
+# cache. A full block whose count drops to 0 keeps its content and stays findable by its hash
+# (*cached*, counted as free); when the free list runs dry, `allocate` evicts the least recently
+# used cached block. `llmlab.exercises.nb04.random_block_ops()` with no argument runs the same
+# 10,000 operations on it, prefix hits and evictions included.
+#
+# ### Exercise 3 (compute): copy-on-write
+#
+# With `block_size=4`, a 10-token prompt is allocated and forked into two children; then each of
+# the three sequences (parent first) appends one token. How many physical blocks are in use?
+# Reason it out, then check (you may verify with `BlockManager.fork` / `append_slot`).
+
+# %%
+answer = ...  # YOUR ANSWER: an integer
+exercises.check("nb04.cow_blocks", answer)
 
 # %% [markdown]
 # ## Check: same attention, same tokens
 #
-# First the attention itself: random K/V for three sequences of ragged lengths scattered over a
-# shuffled pool, SmolLM2's head layout (9 query heads sharing 3 KV heads), one decode query each.
+# In the model, a `PagedKVCache` holds one pool per layer. Each attention layer calls
+# `cache.attend(layer_idx, q, k, v, backend)`, which does two things:
+#
+# ```python
+# cache.write(layer_idx, k, v, slot_mapping)     # the new K/V into their slots (−1 skipped)
+# out = backend.with_kvcache(q, k_pool, v_pool, cache_seqlens, block_table)   # read through tables
+# ```
+#
+# Three backends read the pool: `paged` (PyTorch: gather the sequence's K/V through its table,
+# then the textbook formula), `paged_sdpa` (whole blocks copied, then PyTorch's fused attention:
+# the engine's CPU default) and `paged_triton` (a kernel that loads each block where it lies,
+# `llmlab.kernels.paged_attn`). First the attention itself: random K/V for three sequences of
+# ragged lengths scattered over a shuffled pool, SmolLM2's head layout (9 query heads sharing
+# 3 KV heads), one decode query each.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -121,76 +213,204 @@ ref = paged_attention_reference(q, k_pool, v_pool, seqlens, table)
 err_dense = max((naive_attention(q[i:i + 1], gather_kv(k_pool, table[i:i + 1], n),
                                  gather_kv(v_pool, table[i:i + 1], n)) - ref[i:i + 1]).abs().max().item()
                 for i, n in enumerate(lens))
-err_triton = (paged_attention_triton(q, k_pool, v_pool, seqlens, table) - ref).abs().max().item()
-print("paged reference vs dense naive: max |Δ| < 1e-5:", err_dense < 1e-5)
-print("Triton kernel vs paged reference: max |Δ| < 1e-5:", err_triton < 1e-5)
+print(f"paged reference vs dense naive: max |Δ| = {err_dense:.1e} (tolerance 1e-5)")
+if has_triton():
+    err_triton = (paged_attention_triton(q, k_pool, v_pool, seqlens, table) - ref).abs().max().item()
+    print(f"Triton kernel vs paged reference: max |Δ| = {err_triton:.1e} (tolerance 1e-5)")
+else:
+    print(TRITON_MISSING)
 
 # %% [markdown]
 # Then the whole model: greedy tokens with the paged cache against the contiguous cache of
-# notebook 02 (and the no-cache baseline of notebook 01), two prompts of different lengths in one
-# batch. On a CPU the Triton kernel runs in the interpreter, far too slowly for 30 layers; it is
-# checked on the tiny model here and on SmolLM2 in the GPU tests.
+# notebook 02, two prompts of different lengths in one batch. On a CPU the Triton kernel runs in
+# the interpreter, far too slowly for 30 layers: it is checked on the tiny random model here and
+# on SmolLM2 in the GPU tests.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 prompts = ["What is the capital of France?", "Name three colours of the rainbow, please."]
 N = 8 if QUICK else 12
-paged_out = generate_paged(model, tok, prompts, max_new_tokens=N, block_size=16, backend="paged")
-try:
-    other = llmlab.generate(model, tok, prompts, max_new_tokens=N, kv_cache="contiguous")
-except (TypeError, ValueError):
-    other = llmlab.generate(model, tok, prompts, max_new_tokens=N)
-print("same greedy tokens:", [g.token_ids for g in paged_out] == [g.token_ids for g in other])
+paged_out = llmlab.generate(model, tok, prompts, max_new_tokens=N, kv_cache="paged", block_size=16)
+contiguous = llmlab.generate(model, tok, prompts, max_new_tokens=N, kv_cache="contiguous")
+same = [p.token_ids == c.token_ids for p, c in zip(paged_out, contiguous)]
+print("same greedy tokens as the contiguous cache:", same)
 print(repr(paged_out[0].text))
 
-tiny = llmlab.load_model("tiny-llama")
-tiny_prompts = [list(range(200, 219)), list(range(500, 505))]
-tri = generate_paged(tiny, tok, tiny_prompts, max_new_tokens=4, block_size=8, backend="paged_triton")
-print("tiny-llama, Triton kernel, same tokens as no cache:",
-      [g.token_ids for g in tri] == [g.token_ids for g in llmlab.generate(tiny, tok, tiny_prompts,
-                                                                          max_new_tokens=4)])
+if has_triton():
+    tiny = llmlab.load_model("tiny-llama")
+    tiny_prompts = [list(range(200, 219)), list(range(500, 505))]
+    tri = llmlab.generate(tiny, tok, tiny_prompts, max_new_tokens=4, kv_cache="paged",
+                          block_size=8, paged_attention="paged_triton")
+    alone = llmlab.generate(tiny, tok, tiny_prompts, max_new_tokens=4)
+    print("tiny-llama, Triton kernel, same tokens as no cache:",
+          [a.token_ids == b.token_ids for a, b in zip(tri, alone)])
+else:
+    print(TRITON_MISSING)
 
 # %% [markdown]
 # ## Measure: where the memory goes
 #
-# `data/traces/sharegpt_like.jsonl` has 300 requests whose lengths follow the ShareGPT statistics the
-# vLLM paper reports (mean input 161, output 338 tokens; `data/make_trace.py`). `llmlab.cache.waste`
-# runs them through a KV pool of 16,384 token slots, one token per request per step, all requests
-# waiting at the start, and classifies every slot at every step:
+# `data/traces/sharegpt_like.jsonl` has 300 requests whose lengths follow the ShareGPT statistics
+# the vLLM paper reports (mean input 161, output 338 tokens; `data/make_trace.py`).
+# `llmlab.cache.waste` runs them through a KV pool of 16,384 token slots, one token per request per
+# step, all requests waiting at the start, under three policies:
 #
-# * **(a) `max_len`**: each request reserves prompt + the server's output cap (1024) contiguously,
-#   first-fit — it cannot know when generation will stop;
+# * **(a) `max_len`**: each request reserves prompt + an output cap (1024 tokens here)
+#   contiguously, first-fit; it cannot know when generation will stop;
 # * **(b) `batch_max`**: static batches; every member reserves the batch's longest request and the
 #   batch holds its memory until its longest member finishes;
-# * **(c) `paged`**: blocks of 16 allocated on demand; the newest request is preempted when blocks
-#   run out.
+# * **(c) `paged`**: blocks of 16 allocated on demand; the newest request is preempted when
+#   blocks run out.
+#
+# At every step each slot of the pool falls in one category:
+#
+# * **used**: holds a token state that is still needed;
+# * **reservation**: reserved by a request that *will* write it later (a token not generated yet);
+# * **internal** fragmentation: reserved but never to be written (the cap beyond the real output,
+#   the tail of a last block, the seat of a finished member of a static batch);
+# * **external** fragmentation: free, but only in holes too small for the next waiting request
+#   (only contiguous reservation has holes);
+# * **idle**: free and usable.
+#
+# **Waste** is (reservation + internal + external) / (everything held), averaged over the steps.
+#
+# ### Exercise 4 (predict, then measure)
+#
+# Before running the next cell: policy (a) reserves prompt + 1024 tokens for every request, and
+# the average request ends with 161 + 338 tokens. What share of the memory (a) holds is waste?
+# Commit a fraction (or a percentage); within 10 points of the measurement counts.
+
+# %%
+my_prediction = ...  # YOUR ANSWER: e.g. 0.5
 
 # %%
 reqs = waste.load_trace("sharegpt_like", limit=150 if QUICK else None)
-BUDGET = 16384
-results = [waste.simulate(reqs, "max_len", BUDGET), waste.simulate(reqs, "batch_max", BUDGET),
+BUDGET, CAP = 16384, 1024
+results = [waste.simulate(reqs, "max_len", BUDGET, max_tokens=CAP),
+           waste.simulate(reqs, "batch_max", BUDGET),
            waste.simulate(reqs, "paged", BUDGET, block_size=16)]
+a, b, c = results
 fig = pviz.plot_waste_bars(results, f"{len(reqs)} ShareGPT-like requests, pool of {BUDGET} tokens")
+exercises.check("nb04.predict_waste", my_prediction, measured=a.waste)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-a, b, c = results
-print(f"(a) max_len waste in 60–80%: {0.6 <= a.waste <= 0.8}   "
-      f"(c) paged/16 waste <= 4%: {c.waste <= 0.04}")
-print(f"concurrent sequences, paged vs max_len, >= 2.5x: {c.mean_running >= 2.5 * a.mean_running}")
+for r in results:
+    f = r.fractions()
+    print(f"{r.label:18s} waste {r.waste:5.1%}  (reservation {f['reservation']:5.1%}, internal "
+          f"{f['internal']:5.1%}, external {f['external']:4.1%} of the pool)  "
+          f"{r.mean_running:5.1f} sequences in flight  {r.preemptions} preemptions")
+
+# %% [markdown]
+# ### Exercise 5 (build): wasted slots
+#
+# Paging still leaves one kind of waste: the unfilled tail of each sequence's last block, the small
+# "internal" share of bar (c). Write `wasted_slots(lengths, block_size)`: the slots that sequences
+# of these lengths hold in their blocks but do not fill.
 
 # %%
-for r in results:
-    print(f"{r.label:18s} waste {r.waste:5.1%}   token states {r.fractions()['used']:5.1%} of the pool"
-          f"   {r.mean_running:5.1f} sequences on average   preemptions {r.preemptions}")
+def wasted_slots(lengths, block_size):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb04.wasted_slots", wasted_slots)
+
+# %% [markdown]
+# The cap is a guess the server must make: any request may run to it. Set it at the trace's longest
+# output (1016 tokens) or at twice that, and policy (a) holds ever more memory for nothing:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+caps = (1024, 1536, 2048, 4096)
+capped = [waste.simulate(reqs, "max_len", BUDGET, max_tokens=cap) for cap in caps]
+fig = pviz.plot_cap_sweep(capped, caps, c)
+for cap, r in zip(caps, capped):
+    print(f"cap {cap:4d}: waste {r.waste:5.1%}, {r.mean_running:5.1f} sequences in flight "
+          f"(paged: {c.mean_running:.1f}, {c.mean_running / r.mean_running:.1f}×)")
+
+# %% [markdown]
+# ### Exercise 6 (explain): why does paging preempt?
+#
+# Paging keeps about three times as many sequences in flight as reserving prompt + 1024, yet it
+# preempted hundreds of times, and policy (a) never did. Why? Answer with a letter.
+#
+# - (a) Paging admits a request as soon as its prompt fits and hands out blocks as it grows; when
+#   the sequences in flight outgrow the pool, the newest is preempted and recomputed later.
+#   Reserving the cap up front never runs out mid-generation.
+# - (b) With 16-token blocks the block tables overflow.
+# - (c) Freed blocks are scattered over the pool and cannot be reused (fragmentation).
+# - (d) A preempted request loses its tokens, so the simulation has to restart it.
+
+# %%
+my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
+exercises.check("nb04.explain_preemptions", my_choice)
+
+# %% [markdown]
+# A preemption is not free. The preempted request's blocks are freed and, when it is admitted
+# again, its prompt and everything it had generated are prefilled again. The simulation counts a
+# step as one token per sequence and charges nothing for that recompute, so count it separately,
+# for pools of three sizes:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+total = sum(r.total_tokens for r in reqs)
+print(f"the trace: {total:,} tokens, {sum(r.prompt_tokens for r in reqs):,} of them in prompts")
+for budget in (BUDGET, 2 * BUDGET, 4 * BUDGET):
+    m = waste.simulate(reqs, "max_len", budget, max_tokens=CAP)
+    p = waste.simulate(reqs, "paged", budget, block_size=16)
+    print(f"pool {budget:6,d} slots: {p.mean_running:5.1f} vs {m.mean_running:5.1f} sequences "
+          f"({p.mean_running / m.mean_running:.1f}×), {p.preemptions:3d} preemptions, "
+          f"{p.recomputed_tokens:6,d} tokens recomputed ({p.recomputed_tokens / total:4.0%} of the "
+          f"trace); steps to finish {p.steps:,} vs {m.steps:,} "
+          f"({p.steps / m.steps:.0%})")
+
+# %% [markdown]
+# So "paging fits about 3× as many sequences" needs its fine print. With 16,384 slots the paged
+# pool is overcommitted: it admits on the prompt alone, and over the trace it recomputes tens of
+# thousands of tokens, more than all the trace's prompts together. That recompute is prefill, the
+# cheapest work per token a GPU does (notebook 02: compute-bound, many tokens per weight read),
+# so it costs far less than the decode steps the larger batch saves, but it is not nothing, and
+# a real scheduler limits how often it happens (vLLM, for instance, admits a request only while
+# a watermark of free blocks remains). With 4× the memory the ratio is still about 2.4×, with
+# far fewer preemptions. Either way the trace finishes in well under half the steps: the
+# throughput that paging is for, which the next cell models on a GPU and notebook 05 measures.
+#
+# ### What the saved memory buys on a GPU (a model)
+#
+# Nothing here runs on a GPU; it is a labelled model. Take a 13B-parameter Llama-2 (40 layers,
+# 40 KV heads of 128, 16-bit: 800 KiB of K/V per token) on one H100 (80 GB, 3.35 TB/s,
+# 989 TFLOP/s dense BF16, vendor figures). With 90% of the memory in use, 26 GB of weights leave
+# room for about 56,000 token slots. Run the trace through that pool with policies (a) and (c),
+# then price every decode step with the roofline of notebook 02 (time = max(bytes / bandwidth,
+# FLOPs / peak) at the mean batch and context), plus the prefill FLOPs of every recomputed token.
+
+# %%
+rows = pviz.gpu_serving_model(reqs)
+fig = pviz.plot_gpu_serving_model(rows)
+base, paged_row = rows
+for r in rows:
+    print(f"{r.policy:8s}: {r.mean_running:5.1f} sequences in flight, one decode step "
+          f"{r.step_s * 1e3:4.1f} ms, {r.preemptions} preemptions -> {r.tokens_per_s:6,.0f} tokens/s "
+          "(model)")
+print(f"paged / max_len: {paged_row.tokens_per_s / base.tokens_per_s:.2f}× the modelled throughput")
+
+# %% [markdown]
+# A decode step is memory-bound: it reads every weight once and every sequence's K/V once. A larger
+# batch shares the weight reads among more tokens, so the modelled throughput grows with the
+# sequences in flight, less than in proportion because their K/V must be read too. The paged
+# kernel itself reads the same K/V bytes as a contiguous one plus a 4-byte block-table entry per
+# 16 tokens; Kwon et al. measured their kernel 20–26% slower than FasterTransformer's contiguous
+# attention kernel, a small price next to the batch it allows. The model leaves out kernel
+# overheads and scheduling gaps; `make gpu-check` measures the kernels on a real GPU.
 
 # %% [markdown]
 # **Sharing.** Parallel sampling (n = 4 answers to one prompt) forks after the prompt: the prompt's
 # blocks are stored once. Beam search (width 4) forks at every step, and beams share long common
 # histories. Counted on the block manager for Alpaca-like requests (short prompts) and ShareGPT-like
 # ones (longer prompts). The vLLM paper reports savings of 6.1%–9.8% (parallel sampling) and
-# 37.6%–55.2% (beam search) on Alpaca; our beam model picks parents at random, so treat its number as
-# an illustration.
+# 37.6%–55.2% (beam search) on Alpaca; our beam model picks parents at random, so treat its number
+# as an illustration.
 
 # %%
 alpaca = waste.load_trace("alpaca_like", limit=60)
@@ -202,9 +422,11 @@ for name, r in zip(labels, share + [waste.parallel_sampling_memory(reqs[:20], n=
           f"(saves {r.saving:.0%}, {r.cow_copies} copy-on-write copies)")
 
 # %% [markdown]
-# **Prefix caching.** Requests that share a system prompt share its full blocks. Here four
-# questions follow the same long system prompt; with the prefix cache only the first request
-# computes the system prompt, the others start from its cached blocks (measured TTFT, one new token).
+# **Prefix caching.** Requests that share a system prompt share its full blocks. Four questions
+# follow the same long system prompt. Without the prefix cache every request computes all of its
+# prompt; with one cache kept across the four, the first request fills it and the others start
+# from its cached blocks. Time to first token (one new token), the median of 5 rounds with the
+# two variants interleaved; each round starts from an empty cache, so request 1 has no hit.
 
 # %%
 SYSTEM = ("You are the help desk of a city library. The library opens at nine and closes at six "
@@ -217,88 +439,111 @@ questions = ["When do you close on Saturday?", "How many books can I borrow?",
 ids = [tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
                                add_generation_prompt=True, tokenize=True) for q in questions]
 ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
-generate_paged(model, tok, [ids[0]], max_new_tokens=1)          # warm-up, not timed
-shared = PagedKVCache.for_model(model, num_blocks=64, block_size=16)   # one cache for all four
-ttft, cached = {False: [], True: []}, []
-for p in ids:                  # interleaved, so a busy machine slows both variants alike
-    cold = generate_paged(model, tok, [p], max_new_tokens=1, enable_prefix_caching=False)[0]
-    warm = generate_paged(model, tok, [p], max_new_tokens=1, cache=shared)[0]
-    ttft[False].append(cold.metrics.ttft_s)
-    ttft[True].append(warm.metrics.ttft_s)
-    cached.append(warm.num_cached_tokens)
+llmlab.generate(model, tok, [ids[0]], max_new_tokens=1, kv_cache="paged")    # warm-up
+ROUNDS = 3 if QUICK else 5
+cold, warm = [[] for _ in ids], [[] for _ in ids]
+for _ in range(ROUNDS):
+    shared = PagedKVCache.for_model(model, num_blocks=64, block_size=16)   # empty each round
+    cached = []
+    for i, p in enumerate(ids):          # interleaved: a busy machine slows both alike
+        cold[i].append(llmlab.generate(model, tok, [p], max_new_tokens=1,
+                                       kv_cache="paged")[0].metrics.ttft_s)
+        hit = llmlab.generate(model, tok, [p], max_new_tokens=1, kv_cache=shared)[0]
+        warm[i].append(hit.metrics.ttft_s)
+        cached.append(hit.num_cached_tokens)
 hit_rate = shared.manager.stats.hit_rate
-fig = pviz.plot_prefix_cache(ttft[False], ttft[True], hit_rate)
-print(f"prompt tokens {[len(p) for p in ids]}, served from the cache {cached}, "
-      f"hit rate {hit_rate:.0%}")
-print(f"mean TTFT of requests 2-4: {sum(ttft[False][1:]) / 3 * 1e3:.0f} ms -> "
-      f"{sum(ttft[True][1:]) / 3 * 1e3:.0f} ms on {DEVICE}")
+fig = pviz.plot_prefix_cache(cold, warm, hit_rate, cached)
+med = lambda xs: sorted(xs)[len(xs) // 2]
+print(f"prompt tokens {[len(p) for p in ids]}, served from the cache {cached}, hit rate {hit_rate:.0%}")
+for i in range(len(ids)):
+    print(f"request {i + 1}: TTFT {med(cold[i]) * 1e3:5.0f} ms -> {med(warm[i]) * 1e3:5.0f} ms "
+          f"({med(cold[i]) / med(warm[i]):.1f}×, {cached[i]} tokens cached)")
+
+# %% [markdown]
+# Request 1 finds nothing in the cache, and its two bars differ only by noise. The others reuse
+# the system prompt's full blocks and compute only their own question plus the tokens of the
+# system prompt's last, partly filled block, so their TTFT drops by about the share of the
+# prompt that was cached.
 
 # %% [markdown]
 # ## Play: the block size
 #
-# Small blocks waste less memory (at most `block_size − 1` slots per sequence) but the attention
-# kernel then follows more block-table entries and reads shorter contiguous runs. The vLLM paper
-# settled on 16. The right panel is the measured time of one decode attention (batch 8, 1024 tokens
-# each, SmolLM2 heads) with the PyTorch `paged` backend on this machine; on a GPU run
-# `python -m llmlab.bench paged --gpu` for the Triton kernel.
+# Small blocks waste less memory (at most `block_size − 1` slots per sequence); large blocks mean
+# fewer table entries and longer contiguous reads for the kernel. The left panel is the waste
+# simulation; the right one the measured time of one decode attention (batch 8, 1024 tokens each,
+# SmolLM2's heads) with the PyTorch `paged` backend on this machine, median of 5 runs.
 
 # %%
-from llmlab.bench.paged import time_paged_decode
+from llmlab.bench.paged import paged_decode_inputs
+from llmlab.profiling import time_fn
 
 sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 sweep = waste.block_size_sweep(reqs, BUDGET, block_sizes=sizes)
 shape = dict(batch=4, context=256) if QUICK else dict(batch=8, context=1024)
-cost_ms = {s: time_paged_decode(s, "paged", repeats=3, **shape) * 1e3 for s in (4, 8, 16, 32, 64, 128, 256)}
-fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, DEVICE)
+cost_ms, spread_ms = {}, {}
+for s in (4, 8, 16, 32, 64, 128, 256):
+    args = paged_decode_inputs(s, **shape)
+    t = time_fn(lambda: paged_attention_reference(*args), repeats=5, warmup=1)
+    cost_ms[s] = t.median_s * 1e3
+    spread_ms[s] = (min(t.times_s) * 1e3, max(t.times_s) * 1e3)
+fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, DEVICE, spread_ms)
+print(f"slowest / fastest median over block sizes 4..256: "
+      f"{max(cost_ms.values()) / min(cost_ms.values()):.2f}×")
+
+# %% [markdown]
+# The right panel is flat, and on this path it should be: the `paged` backend first *gathers* the
+# sequence's K/V through its block table into one contiguous tensor (a single indexing operation
+# over all 1024 tokens), then runs ordinary attention. It copies the same bytes whatever the block
+# size, and the table it reads has at most 1024 entries against 8 × 1024 × 3 × 64 × 2 values, so
+# the block size cannot show. The trade-off lives in a GPU kernel such as `paged_triton`, which
+# loads one block per step of its loop, straight from the pool: tiny blocks mean short loads and
+# many loop steps, large blocks waste the tail. Kwon et al. report that trade-off between GPU
+# parallelism and fragmentation and settle on 16 tokens per block by default;
+# `python -m llmlab.bench paged --gpu` times the kernel on a GPU.
 
 # %%
-widgets.interactive(lambda block_size: pviz.plot_block_size_tradeoff(block_size, sweep, cost_ms, DEVICE),
+widgets.interactive(lambda block_size: pviz.plot_block_size_tradeoff(block_size, sweep, cost_ms,
+                                                                     DEVICE, spread_ms),
                     block_size=widgets.SelectionSlider(options=list(sizes), value=16))
 
 # %% [markdown]
-# ## Exercises
+# ## Stretch (build): the paged kernel's block loop
 #
-# **1. Slot mapping.** Write `slot_of(block_table, position, block_size)`: the flat slot where token
-# `position` of a sequence is stored (`BlockManager.slot` does this; do it by hand).
+# `paged_triton` does not gather. Each program takes one sequence and walks its block table: load
+# block `table[i]`, score the query against the keys in it, and fold them into a running softmax,
+# the online softmax of notebook 03. Write that loop in PyTorch for decode:
+# `paged_decode(q, k_cache, v_cache, cache_seqlens, block_table)` with `q` `[batch, heads,
+# head_dim]`, the pools `[num_blocks, block_size, kv_heads, head_dim]`, and the output `[batch,
+# heads, head_dim]`. Query head h reads KV head h // (heads // kv_heads); scale by 1/√head_dim;
+# only the first `cache_seqlens[b]` tokens of sequence b count. Never build the whole sequence's
+# K: one block at a time.
 
 # %%
-from llmlab.exercises.nb04 import check_cow_blocks, check_slot, check_wasted_slots
-
-
-def slot_of(block_table, position, block_size):
+def paged_decode(q, k_cache, v_cache, cache_seqlens, block_table):
     # YOUR CODE HERE
-    return None
+    raise NotImplementedError
 
 
-_ = check_slot(slot_of)
-
-# %% [markdown]
-# **2. Internal fragmentation.** Write `wasted_slots(lengths, block_size)`: the slots that sequences
-# of these lengths hold in their blocks but do not fill. Hint: `math.ceil`, or `-(-n // b)`.
-
-# %%
-def wasted_slots(lengths, block_size):
-    # YOUR CODE HERE
-    return None
-
-
-_ = check_wasted_slots(wasted_slots)
+exercises.check("nb04.paged_block_loop", paged_decode)
 
 # %% [markdown]
-# **3. Copy-on-write.** With `block_size=4`, a 10-token prompt is allocated, forked into two children,
-# and then each of the three sequences (parent first) appends one token. How many physical blocks
-# are in use? Reason it out, then check (you may verify with `BlockManager.fork` / `append_slot`).
-
-# %%
-answer = ...  # YOUR CODE HERE
-_ = check_cow_blocks(answer)
-
-# %% [markdown]
+# Compare with llmlab's: `llmlab.kernels.paged_attn` is that loop as a Triton kernel, with the
+# query heads that share a KV head processed together in one tile.
+#
 # ## Takeaways
 #
-# * Contiguous per-request reservation leaves most KV memory unused (here ~72% waste); paging with
-#   16-token blocks wastes ~2% and fits 3× as many sequences in the same memory.
+# * Reserving each request's maximum length leaves most KV memory unused (here 72% waste at a
+#   1024-token cap, worse as the cap grows); paging with 16-token blocks wastes about 2%.
 # * A block table plus reference counts gives sharing for free: forks and common prefixes share
 #   blocks, and copy-on-write copies only the partly filled last block.
-# * Attention must then read K/V through the block table — a gather in PyTorch, an address lookup
-#   per key tile in the Triton kernel — and block size trades memory waste against kernel efficiency.
+# * The saved memory becomes a larger batch, which is where the throughput comes from, paid for
+#   with preemptions (recompute) when the pool is overcommitted.
+#
+# ## Further reading
+#
+# - Kwon, Li, Zhuang, Sheng, Zheng, Yu, Gonzalez, Zhang, Stoica. *Efficient Memory Management for Large Language Model Serving with PagedAttention.* SOSP 2023. [arXiv:2309.06180](https://arxiv.org/abs/2309.06180), [doi:10.1145/3600006.3613165](https://doi.org/10.1145/3600006.3613165) (Fig. 1, Fig. 2, the block-size ablation)
+# - Yu, Jeong, Kim, Kim, Chun. *Orca: A Distributed Serving System for Transformer-Based Generative Models.* OSDI 2022. [USENIX](https://www.usenix.org/conference/osdi22/presentation/yu)
+# - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (the online softmax of the stretch exercise)
+# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - NVIDIA H100 product page (bandwidth, memory, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
+# - vLLM documentation: [docs.vllm.ai](https://docs.vllm.ai/)

@@ -1,20 +1,24 @@
 # %% [markdown]
 # # 06 · Mixture of experts: routing, dispatch, and what sparsity buys
 #
-# **Why.** The seed article on inference acceleration (seed 000, its MoE section) presents
-# Mixtral 8x7B: every layer holds **8 expert MLPs and a router**; for each token the router picks
-# **2 of the 8**, and only those two run. So a token can reach **47B parameters but uses about
-# 13B** — capacity grows while compute per token stays that of a much smaller model. The same
-# article reports Mixtral matching or beating Llama 2 70B with 5× fewer active parameters and
-# running about 6× faster than it.
+# **Why.** A mixture-of-experts (MoE) layer replaces one feed-forward network by many
+# *experts* and a small *router* that sends each token to only a few of them. Shazeer et al.
+# (ICLR 2017) introduced the sparsely-gated layer; GShard (Lepikhin et al., 2020) and the
+# Switch Transformer (Fedus, Zoph and Shazeer, JMLR 2022) scaled it inside Transformers, with
+# top-2 and top-1 routing, a per-expert *capacity* and an auxiliary load-balancing loss.
+# **Mixtral 8x7B** (Jiang et al., 2024) is an open MoE decoder: every layer holds 8 SwiGLU
+# experts, and the router picks **2 of the 8** for each token. A token can therefore reach
+# about **47B parameters but uses about 13B**: capacity grows while the compute per token stays
+# that of a much smaller model. The paper reports Mixtral matching or beating Llama 2 70B on
+# most benchmarks while using about 5× fewer active parameters (13B against 70B).
 #
-# Sparsity only pays if the code exploits it. This notebook routes tokens like Mixtral, runs
-# the experts three ways — `dense` (every expert on every token), `loop` (one gather per expert)
-# and `grouped` (sort tokens by expert, one GEMM each) — checks that they agree with HF
-# transformers, upcycles the real SmolLM2-135M into an 8-expert MoE, and measures the saving.
+# Sparsity only pays if the code exploits it. In this notebook you **write** Mixtral's routing
+# and a grouped dispatch (sort tokens by expert, one matrix multiply per expert), and run them
+# inside two real MoE models. Then you compare three ways of running the experts (`dense`,
+# `loop`, `grouped`) against HF transformers, upcycle SmolLM2-135M into an 8-expert MoE, look at
+# what an untrained router does, and measure what sparsity saves here (and model it on a GPU).
 
 # %%
-import inspect
 import os
 
 import ipywidgets as widgets
@@ -22,29 +26,30 @@ import matplotlib.pyplot as plt
 import torch
 
 import llmlab
-from llmlab.device import device_name
+from llmlab import exercises
+from llmlab.device import TRITON_MISSING, describe, device_name, has_triton
+from llmlab.layers import moe as M
+from llmlab.layers import moe_stats as S
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
-from llmlab.layers import moe as M
-from llmlab.layers import moe_stats as S
-
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
 torch.manual_seed(0)
-print(device_name())
+for key, value in describe().items():
+    print(f"{key:12s} {value}")
 
 # %% [markdown]
 # ## Why, in numbers: total against active parameters
 #
 # `compute_account` counts parameters and FLOPs per token (an analytic model: 2 FLOPs per
-# multiply-add, attention at context 0). For Mixtral 8x7B's published config it should land on
-# the seed's 47B / 13B.
+# multiply-add, attention at context 0). For Mixtral 8x7B's published configuration it should
+# land on the paper's 47B and 13B.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from llmlab.viz.moe import plot_compute_accounts
 
-dense_cfg = llmlab.ModelConfig.from_file(llmlab.models.registry.resolve("smollm2-135m"))
+dense_cfg = llmlab.ModelConfig.from_file(llmlab.models.resolve("smollm2-135m"))
 moe_cfg = llmlab.ModelConfig(**{**dense_cfg.to_dict(), "num_experts": 8, "num_experts_per_tok": 2,
                                 "model_type": "mixtral"})
 accounts = [S.compute_account(dense_cfg, "smollm2-135m"),
@@ -54,48 +59,89 @@ for a in accounts:
     print(f"{a.name:18s} total {a.total_params / 1e9:6.2f}B  active {a.active_params / 1e9:6.2f}B "
           f"({a.active_fraction:4.0%})  GFLOP/token {a.flops_per_token / 1e9:6.2f} "
           f"(all experts: {a.flops_per_token_all_experts / 1e9:6.2f})")
-print(f"seed figures for Mixtral: {S.SEED_MIXTRAL_TOTAL_PARAMS / 1e9:.0f}B total, "
-      f"{S.SEED_MIXTRAL_ACTIVE_PARAMS / 1e9:.0f}B active")
+print(f"the Mixtral paper: {S.MIXTRAL_PAPER_TOTAL_PARAMS / 1e9:.0f}B total, "
+      f"{S.MIXTRAL_PAPER_ACTIVE_PARAMS / 1e9:.0f}B active")
 
 # %%
 fig = plot_compute_accounts(accounts)
 
 # %% [markdown]
 # Attention, embeddings and norms are shared by all experts, which is why Mixtral is "8x7B" but
-# 47B, not 56B. Running every expert on every token would cost 3.7× the FLOPs of top-2.
+# 47B, not 56B. Running every expert on every token would cost 3.7× the FLOPs of top-2 (the
+# last column above).
 #
 # ## How: routing
 #
-# The router is one linear layer `gate` [experts, hidden]. Mixtral takes a softmax over its
-# logits, keeps the top-k, and renormalizes those k weights to sum to one:
-
-# %%
-print(inspect.getsource(M.route))
-
-# %% [markdown]
+# The router is one linear layer, `gate` of shape [experts, hidden]: for each token it gives one
+# logit per expert. Mixtral turns the logits into probabilities with a softmax, keeps the
+# **top-k** experts (k = 2), and **renormalizes** those k weights so that they sum to one. The
+# layer's output for a token is the weighted sum of its k experts' outputs.
+#
 # ## How: three ways to run the chosen experts
 #
-# * **dense** runs all E experts on all tokens and multiplies the unchosen ones by zero —
+# * **dense** runs all E experts on all tokens and multiplies the unchosen ones by zero:
 #   correct, and E/k times the work.
 # * **loop** asks, for each expert, "which tokens chose you?" (`torch.where`), gathers them,
-#   runs the expert, and scatter-adds the weighted result.
+#   runs the expert, and adds the weighted result back.
 # * **grouped** sorts the (token, expert) pairs by expert once. Each expert's rows then form one
-#   contiguous slice, so one grouped GEMM (`llmlab.kernels.moe_gemm`: a Triton kernel on GPU,
-#   one `torch.mm` per slice on CPU) runs every expert, and one gather puts the rows back.
+#   contiguous slice, so one matrix multiply per projection and expert covers them (on a GPU,
+#   one *grouped GEMM* kernel covers every expert: `llmlab.kernels.moe_gemm`), and the results
+#   go back to their tokens.
+#
+# Here is the grouping on a toy batch: 4 tokens, top-2 of 5 experts. The flattened pairs are
+# numbered token by token (pair 2t + j is token t's j-th choice).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 experts = torch.tensor([[3, 0], [0, 1], [3, 1], [2, 0]])  # 4 tokens, top-2 of 5 experts
 order, token, offsets = M.group_by_expert(experts, num_experts=5)
-print("expert of each sorted pair:", experts.reshape(-1)[order].tolist())
-print("token of each sorted pair: ", token.tolist())
-print("offsets (expert e owns rows offsets[e]:offsets[e+1]):", offsets.tolist())
-
-# %%
-print(inspect.getsource(M.dispatch_grouped))
+print("pair index, sorted by expert:", order.tolist())
+print("expert of each sorted pair:  ", experts.reshape(-1)[order].tolist())
+print("token of each sorted pair:   ", token.tolist())
+print("offsets (expert e owns sorted rows offsets[e]:offsets[e+1]):", offsets.tolist())
 
 # %% [markdown]
-# ## Check: three strategies, one answer — against HF transformers
+# ## Build: routing and grouped dispatch
+#
+# Write `moe_dispatch(x, router_logits, top_k, w_gate, w_up, w_down)`:
+#
+# * `x` [tokens, hidden]; `router_logits` [tokens, E]; `w_gate`, `w_up` [E, inter, hidden];
+#   `w_down` [E, hidden, inter] (each expert e is a SwiGLU MLP:
+#   `down(silu(x @ w_gate[e].T) * (x @ w_up[e].T))`, with `down(h) = h @ w_down[e].T`);
+# * route as Mixtral does (softmax in float32, top-k, renormalize);
+# * flatten the (token, expert) pairs, sort them by expert (`torch.argsort(..., stable=True)`),
+#   count each expert's pairs (`torch.bincount(..., minlength=E)`) and turn the counts into
+#   offsets;
+# * run each expert **once**, on its own contiguous rows, and add each row's output, times its
+#   routing weight, to its token (`index_add_`, or an inverse permutation and a sum).
+#
+# The checker tries it on small layers first (equal experts, then distinct ones, then counts its
+# FLOPs), then registers it as a dispatch of the real MoE layers
+# (`llmlab.layers.moe.register_dispatch`) and runs tiny-mixtral and the upcycled SmolLM2 with it,
+# against dense dispatch.
+
+# %%
+import torch.nn.functional as F
+
+
+def moe_dispatch(x, router_logits, top_k, w_gate, w_up, w_down):
+    # YOUR CODE HERE: route (softmax, top-k, renormalize), sort pairs by expert, offsets,
+    # one pass per expert over its rows, weighted sum back into each token
+    raise NotImplementedError
+
+
+exercises.check("nb06.moe_dispatch", moe_dispatch)
+
+# %% [markdown]
+# **Compare with llmlab's.** `llmlab.layers.moe` splits your function in two: `route(logits, k)`
+# returns the renormalized weights and expert ids (the Mixtral paper writes it as a softmax over
+# the two largest logits, which gives the same weights), and `dispatch_grouped` gathers the
+# sorted rows once, lets the grouped GEMM multiply every expert's slice, scales each row by its
+# weight in the down projection, and brings the rows back with the inverse permutation
+# (`inverse[order] = arange(...)`), then sums each token's k rows; every token has exactly k
+# rows, so no scatter-add is needed.
+#
+# ## Check: three strategies, one answer, against HF transformers
 #
 # `tiny-mixtral` is a 2-layer random Mixtral (4 experts, top-2) saved in HF layout, so
 # `MixtralForCausalLM` can load the same weights. `set_dispatch(model, name)` switches every layer.
@@ -105,7 +151,7 @@ print(inspect.getsource(M.dispatch_grouped))
 from transformers import AutoModelForCausalLM
 
 tiny = llmlab.load_model("tiny-mixtral")
-hf = AutoModelForCausalLM.from_pretrained(str(llmlab.models.registry.resolve("tiny-mixtral")),
+hf = AutoModelForCausalLM.from_pretrained(str(llmlab.models.resolve("tiny-mixtral")),
                                           dtype=torch.float32).eval()
 ids = torch.randint(0, tiny.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
 with torch.no_grad():
@@ -113,23 +159,35 @@ with torch.no_grad():
     for name in ("dense", "loop", "grouped"):
         M.set_dispatch(tiny, name)
         err = (tiny(ids) - ref).abs().max().item()
-        print(f"{name:8s} vs MixtralForCausalLM: max |Δ| < 1e-4: {err < 1e-4}")
+        print(f"{name:8s} vs MixtralForCausalLM: max |Δ| = {err:.0e} (< 1e-4: {err < 1e-4})")
+
+# %% [markdown]
+# The grouped GEMM as a Triton kernel (on this CPU it runs in Triton's interpreter, which is
+# slow by design: this is a correctness check, not a timing), on 37 rows so the groups are ragged
+# against the kernel's tiles:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+if has_triton():
     mlp0 = tiny.layers[0].mlp
-    x0 = torch.randn(37, tiny.config.hidden_size)  # 37 rows: ragged groups for the kernel's tiles
-    routed = mlp0(x0)
-    w, e = mlp0.last_routing
-    tri = M.dispatch_grouped(x0, w, e, mlp0.w_gate, mlp0.w_up, mlp0.w_down, impl="triton")
-print("grouped with the Triton kernel (interpreted on CPU) vs loop: max |Δ| < 1e-5:",
-      (tri - routed).abs().max().item() < 1e-5)
+    x0 = torch.randn(37, tiny.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        routed = mlp0(x0)
+        w, e = mlp0.last_routing
+        tri = M.dispatch_grouped(x0, w, e, mlp0.w_gate, mlp0.w_up, mlp0.w_down, impl="triton")
+    err = (tri - routed).abs().max().item()
+    print(f"grouped with the Triton kernel vs the layer: max |Δ| = {err:.0e} (< 1e-5: {err < 1e-5})")
+else:
+    print(TRITON_MISSING)
 
 # %% [markdown]
 # ## Check on a real model: SmolLM2-135M upcycled into 8 experts
 #
 # `load_model("smollm2-135m-moe8")` builds a MoE from SmolLM2's own files: every MLP becomes 8
 # experts that start as copies of it (sharing its storage), and each layer gets a seeded random
-# router, top-2 (*sparse upcycling*, Komatsuzaki et al. 2022). With identical experts the two
-# chosen outputs are the same vector and their weights sum to one, so the MoE **must** produce
-# the dense model's tokens, whatever the router does — a check that dispatch is right.
+# router, top-2 (*sparse upcycling*, Komatsuzaki et al., ICLR 2023). With identical experts the
+# two chosen outputs are the same vector and their weights sum to one, so the MoE **must**
+# produce the dense model's tokens, whatever the router does: a check that dispatch is right.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -158,20 +216,19 @@ M.set_dispatch(noisy, "grouped")
 ids = torch.tensor([want.prompt_token_ids + want.token_ids])
 with torch.no_grad():
     d_logits, n_logits = dense(ids), noisy(ids)
-print("perturbed experts change the logits (max |Δ| > 0.1):", (n_logits - d_logits).abs().max().item() > 0.1)
+print(f"perturbed experts change the logits: max |Δ| = {(n_logits - d_logits).abs().max().item():.1f}")
 print("perturbed moe8 greedy:", repr(llmlab.generate(noisy, tok, PROMPT, max_new_tokens=n_new, chat=False).text))
 
 # %% [markdown]
 # ## Routing statistics
 #
-# Each `SparseMoE` keeps the routing of its last forward pass. Three questions:
+# Each `SparseMoE` keeps the routing of its last forward pass. Two questions:
 #
 # * **Load**: how many (token, expert) assignments did each expert get, per layer?
-# * **Balance**: the Switch Transformer auxiliary loss α · N · Σᵢ fᵢ · Pᵢ (fᵢ: share of the
-#   assignments expert i got; Pᵢ: its mean router probability). Uniform routing gives exactly α
-#   (here 0.01); training adds it to the loss to push the router toward balance.
-# * **Capacity**: with a fixed budget of ⌈cf · tokens · k / E⌉ slots per expert (what lets a
-#   batch run as fixed-size GEMMs, or fit one expert per device), overflow is *dropped*.
+# * **Balance**: the Switch Transformer's auxiliary loss α · N · Σᵢ fᵢ · Pᵢ, where N is the
+#   number of experts, fᵢ the share of the assignments expert i got and Pᵢ its router
+#   probability averaged over the tokens. Perfectly uniform routing gives exactly α (here 0.01);
+#   training adds it to the loss to push the router toward balance.
 
 # %%
 from llmlab.viz.moe import plot_layer_loads
@@ -186,53 +243,125 @@ fig = plot_layer_loads(loads, f"smollm2-135m-moe8 (random router), {ids.shape[1]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-report = S.routing_report(noisy, alpha=0.01, capacity_factor=1.25)
-print("tokens:", ids.shape[1], "| assignments per layer:", int(loads[0].sum()))
-print("mean balance loss over layers: %.3f (uniform: 0.010)" % (sum(r.balance_loss for r in report) / len(report)))
+report = S.routing_report(noisy, alpha=0.01)
+layer_probs = torch.stack([torch.softmax(m.last_router_logits.float(), -1).mean(0)
+                           for m in M.moe_layers(noisy)])  # Pᵢ per layer
 worst = max(report, key=lambda r: r.max_over_mean)
-print(f"most lopsided layer: {worst.layer}, busiest expert at {worst.max_over_mean:.1f}× the mean load")
-print("dropped at capacity factor 1.25: %.0f%% of assignments (mean over layers)"
-      % (100 * sum(r.drop_fraction for r in report) / len(report)))
+print("tokens:", ids.shape[1], "| assignments per layer:", int(loads[0].sum()))
+print(f"balance loss: mean over layers {sum(r.balance_loss for r in report) / len(report):.4f}, "
+      f"largest {max(r.balance_loss for r in report):.4f} (uniform: 0.0100)")
+print(f"most lopsided layer: {worst.layer}, busiest expert at {worst.max_over_mean:.1f}× the mean load; "
+      f"that layer's balance loss {worst.balance_loss:.4f}")
+print(f"mean router probabilities Pᵢ over all layers: {layer_probs.min():.3f} to {layer_probs.max():.3f} "
+      f"(uniform: {1 / 8:.3f})")
 
 # %% [markdown]
-# An untrained router is far from balanced: in some layers one expert gets several times its
-# share and overflows a capacity of 1.25× the mean. During training the balance loss pushes the
-# router back toward uniform.
+# An untrained router is far from balanced in its *counts*: in several layers one expert gets
+# two or three times its share. Yet the balance loss stays near its uniform value.
 #
-# ## Measure: one MoE layer, three strategies
+# **Exercise (explain).** Why is the balance loss so close to 0.010 while one expert carries
+# several times the mean load? Pick one:
 #
-# A Mixtral-shaped layer scaled down 8× (hidden 512, intermediate 1792, 8 experts, top-2),
-# timed with `llmlab.bench.moe` (best of a few runs; `python -m llmlab.bench moe` runs the full
-# sweep from 1 to 4096 tokens).
+# * (a) the loss is averaged over the 30 layers, which hides the one lopsided layer;
+# * (b) the loss multiplies each expert's load share fᵢ by its mean router probability Pᵢ, and
+#   this router's probabilities are nearly uniform;
+# * (c) a few dozen tokens are too few for the loss to be computed;
+# * (d) the loss counts only each token's first choice.
 
 # %%
-from llmlab.bench.moe import CPU_SHAPE, sweep_experts, sweep_tokens
-from llmlab.viz.moe import plot_dispatch_times
-
-tokens = [1, 64, 512] if QUICK else [1, 16, 128, 512]
-token_rows = sweep_tokens(tokens, CPU_SHAPE, "cpu", torch.float32, repeats=2, check=False)
-expert_rows = sweep_experts([2, 8, 32] if QUICK else [2, 4, 8, 16, 32], 128, CPU_SHAPE, "cpu",
-                            torch.float32, repeats=2)
-fig = plot_dispatch_times(token_rows, expert_rows, device_name()[:60])
-for r in token_rows:
-    print(f"{r['tokens']:5d} tokens: dense {r['dense ms']:7.1f} ms, loop {r['loop ms']:7.1f} ms, "
-          f"grouped {r['grouped ms']:7.1f} ms -> dense/grouped {r['dense/grouped']:.1f}x")
-for r in expert_rows:
-    print(f"{r['experts']:3d} experts ({r['params (M)']:5.0f}M params, {r['active (M)']:.0f}M active): "
-          f"dense {r['dense µs/token']:7.0f} µs/token, grouped {r['grouped µs/token']:6.0f} µs/token")
+my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
+exercises.check("nb06.explain_balance_loss", my_choice)
 
 # %% [markdown]
-# With many tokens the matrix multiplies dominate and **dense** pays for all E experts, heading
-# for E/k = 4× the grouped time (`python -m llmlab.bench moe` goes to 4096 tokens). On a CPU,
-# **loop** and **grouped** run the same per-expert GEMMs, so they time about the same; grouping
-# pays off on a GPU, where one kernel launch covers every expert instead of E small launches, each
-# waiting for the host to learn how many tokens `torch.where` found.
+# ## Capacity: a training and serving-system concern
 #
-# Holding top-2 and adding experts, the FLOPs per token stay those of two experts while the
-# parameters grow — Mixtral's bargain. Dense time grows with E; grouped time grows far more
-# slowly, and only because each expert now gets fewer tokens while all of their weights must
-# still be read: small per-expert batches become bound by memory, not arithmetic. Memory grows
-# with E too: every expert must be resident.
+# **Mixtral's inference drops no tokens**: every token reaches its two experts, however busy
+# they are, and the output is exactly the weighted sum of the two. MegaBlocks (Gale et al.,
+# MLSys 2023) made such *dropless* MoE efficient for training too. Capacity limits come from
+# training systems such as GShard and the Switch Transformer: each expert gets a fixed number
+# of slots per batch (the *capacity factor* cf times the assignments it would get if routing
+# were perfectly balanced), so that the exchange of tokens between devices and the expert
+# matrix multiplies have fixed shapes; an assignment that finds its expert full is *dropped*
+# (that token keeps only its residual path for that expert). A serving system meets the same
+# question only if it gives experts fixed-size buffers, for instance when experts live on
+# different devices.
+#
+# **Exercise (predict, then measure).** 512 tokens, 8 experts, top-2 (1024 assignments), a
+# router with **no bias** toward any expert (random hidden states, a random router), capacity
+# factor **1.0**: what percentage of the assignments is dropped? Commit a number first.
+
+# %%
+my_drop_prediction = ...  # YOUR ANSWER: a percentage, e.g. 12
+
+# %%
+from llmlab.viz.moe import explore_routing
+
+fig, unbiased = explore_routing(num_experts=8, top_k=2, capacity_factor=1.0, tokens=512, skew=0.0)
+print(f"loads: {unbiased.load} (capacity {unbiased.capacity}); dropped {100 * unbiased.drop_fraction:.1f}%")
+exercises.check("nb06.predict_drops", my_drop_prediction, measured=100 * unbiased.drop_fraction)
+
+# %% [markdown]
+# ## Measure: one MoE layer, three strategies, on this CPU
+#
+# A Mixtral-shaped layer scaled down 8× (hidden 512, intermediate 1792), random weights.
+# Each point is the median of 5 runs after a warm-up; the bars span the fastest to the
+# slowest run. (`python -m llmlab.bench moe` runs a longer sweep.)
+
+# %%
+from llmlab.viz.moe import measure_dispatch, median_of, plot_dispatch_times
+
+tokens = [1, 64, 512] if QUICK else [1, 16, 128, 512]
+experts_sweep = [2, 8, 32] if QUICK else [2, 4, 8, 16, 32]
+token_rows, expert_rows = measure_dispatch(tokens, experts_sweep, fixed_tokens=128, repeats=5)
+fig = plot_dispatch_times(token_rows, expert_rows, device_name()[:60])
+for r in token_rows:
+    d, lp, g = (median_of(r, f"{s} ms") for s in ("dense", "loop", "grouped"))
+    print(f"{r['tokens']:4d} tokens: dense {d:7.1f} ms, loop {lp:7.1f} ms, grouped {g:7.1f} ms "
+          f"-> dense/grouped {d / g:.1f}x, loop/grouped {lp / g:.2f}x")
+first, last = expert_rows[0], expert_rows[-1]
+for s in ("dense", "grouped"):
+    a, b = median_of(first, f"{s} µs/token"), median_of(last, f"{s} µs/token")
+    print(f"{s:8s}: {a:6.0f} µs/token with {first['experts']} experts, {b:6.0f} with "
+          f"{last['experts']} ({b / a:.1f}x for {last['experts'] // first['experts']}x the experts)")
+
+# %% [markdown]
+# Read the printed ratios against the FLOP model: dense does E/k = 4 times the arithmetic of
+# top-2, so with many tokens (where the matrix multiplies dominate) the dense/grouped ratio
+# should approach 4; with one token both are dominated by fixed costs per call. On a CPU,
+# **loop** and **grouped** run the same per-expert matrix multiplies, so their ratio is near 1.
+# Holding top-2 and adding experts keeps the FLOPs per token of two experts while the
+# parameters grow (Mixtral's bargain): dense time per token grows with E, grouped much less,
+# and what it does grow comes from each expert getting fewer tokens while all of its weights
+# must still be read. Every expert must also stay resident in memory.
+#
+# ## The GPU case, as a model
+#
+# A CPU shows the FLOP saving but not what a GPU does, and there is no GPU here, so here is a
+# **model**, labelled as one: one Mixtral 8x7B MoE layer (hidden 4096, intermediate 14336) in
+# bfloat16 on an H100 SXM (datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3), each strategy
+# taking max(FLOPs / peak, bytes / bandwidth), as an ideal kernel would (the roofline of
+# notebook 02). On a GPU, *grouped* is one kernel launch: the grouped GEMM gives each thread
+# block a tile of one expert's rows and spreads the tiles over the GPU's 132 SMs (*streaming
+# multiprocessors*, its cores), instead of E small launches that each wait for the host to
+# learn how many tokens `torch.where` found.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from llmlab.viz.moe import plot_moe_gpu_model
+
+fig, gpu = plot_moe_gpu_model()
+for e in gpu:
+    if e.tokens in (1, 16, 256, 4096):
+        print(f"MODEL {e.tokens:5d} tokens: dense {e.dense_s * 1e3:6.2f} ms, grouped {e.grouped_s * 1e3:6.2f} ms "
+              f"({e.dense_over_grouped:.1f}x), experts touched {e.experts_touched:.1f} of 8")
+
+# %% [markdown]
+# The model tells a story the CPU cannot. At batch 1 (decoding one sequence) grouped reads only
+# the 2 chosen experts' weights, a quarter of the bytes: 4× faster. By about 16 tokens every
+# expert has a token, both strategies read all 8 experts' weights, and both are bound by memory
+# bandwidth: the same time. Only when the batch is large enough to be compute-bound (about a
+# thousand tokens, prefill) does the FLOP ratio of 4 return. A MoE's weights must all be
+# resident, and at medium batch sizes they must all be read: sparsity saves compute, not memory.
 #
 # ## Play: experts, top-k and capacity
 #
@@ -241,8 +370,6 @@ for r in expert_rows:
 # expert parameters a token touches.
 
 # %%
-from llmlab.viz.moe import explore_routing
-
 fig, stats = explore_routing(num_experts=8, top_k=2, capacity_factor=1.25)
 print(f"capacity {stats.capacity}, dropped {stats.drop_fraction:.0%}, "
       f"tokens with no expert left {stats.tokens_fully_dropped}, active share of experts {stats.active_fraction:.0%}")
@@ -263,56 +390,51 @@ widgets.interactive(_show, num_experts=widgets.IntSlider(8, 2, 64),
                     skew=widgets.FloatSlider(1.0, min=0.0, max=3.0, step=0.25))
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Active parameters.** Write `active_params(config)`: the parameters one token uses —
-# embeddings (one matrix if `tie_word_embeddings`, else two), per layer q/k/v/o projections, the
-# router (`hidden × num_experts`), `num_experts_per_tok` experts of `3 · hidden · intermediate`
-# each, two RMSNorm vectors, and the final norm. *Hint:* the fields are `config.hidden_size`,
-# `head_dim`, `num_heads`, `num_kv_heads`, `intermediate_size`, `num_experts`, `num_experts_per_tok`,
-# `num_layers`, `vocab_size`.
+# **Active parameters (compute).** Write `active_params(config)`: the parameters one token
+# uses. Count the embeddings (one matrix if `config.tie_word_embeddings`, else two), per layer
+# the q/k/v/o projections, the router, the experts a token uses and two RMSNorm vectors, and the
+# final norm. The fields are `config.hidden_size`, `head_dim`, `num_heads`, `num_kv_heads`,
+# `intermediate_size`, `num_experts`, `num_experts_per_tok`, `num_layers`, `vocab_size`.
 
 # %%
-from llmlab.exercises.nb06 import check_active_params, check_capacity, check_group_by_expert
-
-
 def active_params(config):
     # YOUR CODE HERE
-    return None
+    raise NotImplementedError
 
 
-check_active_params(active_params);
-
-# %% [markdown]
-# **2. Capacity.** Write `capacity(tokens, num_experts, top_k, capacity_factor)`: the number of
-# slots per expert. *Hint:* a perfectly balanced expert receives `tokens · top_k / num_experts`
-# assignments; round up with `math.ceil`.
-
-# %%
-def capacity(tokens, num_experts, top_k, capacity_factor):
-    # YOUR CODE HERE
-    return 0
-
-
-check_capacity(capacity);
+exercises.check("nb06.active_params", active_params)
 
 # %% [markdown]
-# **3. Grouping.** Write `group(experts, num_experts)` for `experts` [tokens, k]: return
-# `(order, offsets)` where `experts.reshape(-1)[order]` is sorted and expert e's rows are
-# `offsets[e]:offsets[e+1]`. *Hint:* `torch.argsort(..., stable=True)`, `torch.bincount(...,
-# minlength=num_experts)`, `torch.cumsum`.
+# **Stretch: capacity-factor dropping.** Write `keep_within_capacity(experts, num_experts,
+# capacity_factor)` for routing `experts` [tokens, k]: return `kept` [tokens, k] (bool), True
+# where an assignment fits in its expert's slots. Each expert has room for cf times the number of
+# assignments it would get under perfect balance, rounded up. Slots are handed out as GShard
+# does: every token's first choice, in token order, before any second choice.
 
 # %%
-def group(experts, num_experts):
+def keep_within_capacity(experts, num_experts, capacity_factor):
     # YOUR CODE HERE
-    return None
+    raise NotImplementedError
 
 
-check_group_by_expert(group);
+exercises.check("nb06.capacity_drop", keep_within_capacity)
 
 # %% [markdown]
 # ## Takeaways
 #
-# 1. A MoE layer's parameters grow with E but a token's compute grows with k: Mixtral reaches 47B and uses 13B.
-# 2. Sparsity pays only if dispatch exploits it: grouping tokens by expert (one sort, one GEMM per expert) recovers the E/k saving that dense dispatch throws away.
-# 3. Routing is a load-balancing problem: untrained routers are lopsided, capacity limits drop tokens, and the balance loss pushes toward uniform.
+# 1. A MoE layer's parameters grow with E but a token's compute grows with k: Mixtral reaches 47B parameters and uses 13B per token.
+# 2. Sparsity pays only if dispatch exploits it: grouping tokens by expert (one sort, one GEMM per expert) saves the E/k FLOPs that dense dispatch wastes; on a GPU the saving is in FLOPs at large batch and in bytes only at very small batch.
+# 3. Routing is a load-balancing problem: untrained routers are lopsided, a balance loss near its uniform value can hide that, and capacity limits (a training-system device, not part of Mixtral's inference) drop what overflows.
+#
+# ## Further reading
+#
+# - Shazeer, Mirhoseini, Maziarz, Davis, Le, Hinton, Dean. *Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer.* ICLR 2017. [arXiv:1701.06538](https://arxiv.org/abs/1701.06538)
+# - Lepikhin et al. *GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding.* 2020 (ICLR 2021). [arXiv:2006.16668](https://arxiv.org/abs/2006.16668) (top-2 gating, expert capacity, first choices first)
+# - Fedus, Zoph, Shazeer. *Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient Sparsity.* JMLR 23(120), 2022. [jmlr.org](https://jmlr.org/papers/v23/21-0998.html), [arXiv:2101.03961](https://arxiv.org/abs/2101.03961) (the auxiliary load-balancing loss, capacity factors)
+# - Jiang et al. *Mixtral of Experts.* 2024. [arXiv:2401.04088](https://arxiv.org/abs/2401.04088) (the routing, 47B total and 13B active parameters)
+# - Komatsuzaki et al. *Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints.* ICLR 2023. [arXiv:2212.05055](https://arxiv.org/abs/2212.05055)
+# - Gale, Narayanan, Young, Zaharia. *MegaBlocks: Efficient Sparse Training with Mixture-of-Experts.* MLSys 2023. [arXiv:2211.15841](https://arxiv.org/abs/2211.15841) (dropless MoE, grouped and block-sparse GEMMs)
+# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - NVIDIA H100 product page (bandwidth, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)

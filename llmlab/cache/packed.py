@@ -1,0 +1,173 @@
+"""The paged KV cache in the packed layout of continuous batching (taught in notebook 05).
+
+The serving engine feeds every scheduled sequence's new tokens as one row,
+``input_ids [1, total_tokens]``, with ``cu_seqlens`` (int32 ``[batch + 1]``) marking where
+each sequence starts, as in FlashAttention's varlen API: a prompt of 300 tokens and
+twelve single-token decodes cost 312 token positions, no padding. :class:`PackedPagedCache`
+is the cache object for such a step. It stores K/V in a
+:class:`~llmlab.cache.paged.PagedKVCache` and implements the same
+``attend(layer_idx, q, k, v, backend)`` as every cache in :mod:`llmlab.cache`. Per layer:
+
+* the new K/V of every token are written into the pool by slot mapping;
+* prompts read from scratch (no cached prefix) attend to their own new K/V only: one
+  call to the layer backend's **varlen** form over all of them (``cu_seqlens``), so
+  the cost is the sum of each prompt's square, never the square of the whole pack;
+* prompts continuing a cached prefix (a prefix-cache hit, or the next chunk under
+  chunked prefill) and decode tokens read K/V from the pool through their block
+  tables, with the cache's **paged attention** backend (``paged_sdpa``, ``paged`` or
+  ``paged_triton``: :mod:`llmlab.attention.paged`). Decodes are sorted by length and
+  attend in groups of up to ``decode_group``, so a short sequence is not padded to the
+  longest one in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+from .paged import PagedKVCache
+
+
+@dataclass
+class PoolGroup:
+    """Sequences whose new tokens attend over the pool together (one paged-attention call)."""
+
+    rows: torch.Tensor              # long [n * seq_q]: their new tokens' rows in the pack
+    seq_q: int                      # new tokens per sequence (1 for decodes)
+    block_table: torch.Tensor       # int32 [n, blocks]: cut to the group's longest sequence
+    seqlens: torch.Tensor           # int32 [n]: cached + new tokens
+
+
+@dataclass
+class PackedStep:
+    """Metadata of one packed step, built once by :meth:`PackedPagedCache.prepare` and read
+    by every layer (tensors on the cache's device)."""
+
+    cu_seqlens: torch.Tensor        # int32 [batch + 1]: row offsets into the packed tokens
+    cu: list[int]                   # the same offsets on the host
+    seqlens: list[int]              # cached + new tokens per sequence
+    slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
+    tables: list[list[int]]         # block table of each sequence
+    fresh: list[int]                # sequences reading a prompt from scratch (no cached prefix)
+    continued: list[int]            # prompts on top of a cached prefix
+    decode: list[int]               # one new token on top of the cache
+    fresh_rows: torch.Tensor        # long [fresh tokens]: the fresh prompts' rows in the pack
+    fresh_cu: torch.Tensor          # int32 [len(fresh) + 1]: their offsets among fresh_rows
+    fresh_max: int                  # the longest fresh prompt (varlen's max_seqlen)
+    pool_groups: list[PoolGroup]    # continued prompts and decodes, grouped for the pool
+    # when the layer backend is itself a paged one, fresh prompts read the pool too
+    # (built by the first layer that needs them, shared by the rest)
+    fresh_groups: list[PoolGroup] | None = field(default=None)
+
+
+class PackedPagedCache:
+    """A cache object for packed steps over a :class:`PagedKVCache` (see the module docstring).
+
+    ``prepare(seq_ids, num_new, num_computed)`` before the forward returns positions
+    [1, total]; every attention layer then calls :meth:`attend`. The pool is read with
+    the paged cache's backend (:meth:`PagedKVCache.paged_attention`).
+    """
+
+    def __init__(self, paged: PagedKVCache, decode_group: int = 8):
+        if not isinstance(decode_group, int) or decode_group < 1:
+            raise ValueError(f"decode_group={decode_group!r} must be a positive int")
+        self.paged = paged
+        self.decode_group = decode_group
+        self.step: PackedStep | None = None
+
+    def _group(self, members: list[int], step_tables: list[list[int]], lens: list[int],
+               cu: list[int], seq_q: int, dev) -> PoolGroup:
+        width = -(-max(lens[i] for i in members) // self.paged.block_size)
+        table = torch.tensor([step_tables[i][:width] + [-1] * (width - len(step_tables[i]))
+                              for i in members], dtype=torch.int32)
+        rows = torch.tensor([r for i in members for r in range(cu[i + 1] - seq_q, cu[i + 1])],
+                            dtype=torch.long)
+        seqlens = torch.tensor([lens[i] for i in members], dtype=torch.int32)
+        return PoolGroup(rows.to(dev), seq_q, table.to(dev), seqlens.to(dev))
+
+    def prepare(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
+                num_computed: Sequence[int] | None = None) -> torch.Tensor:
+        """Set up one packed step; returns positions [1, total].
+
+        Sequence i feeds ``num_new[i]`` tokens starting at position ``num_computed[i]``
+        (default: its last ``num_new[i]`` reserved slots; a chunk of a longer prompt
+        passes where the chunk starts). The block manager must hold the slots already.
+        """
+        bm = self.paged.manager
+        dev = self.paged.k[0].device
+        tables, lens, slot_map, positions = [], [], [], []
+        fresh, continued, decode = [], [], []
+        for i, (sid, n) in enumerate(zip(seq_ids, num_new)):
+            total = bm.num_tokens(sid)
+            start = total - n if num_computed is None else num_computed[i]
+            if not (n >= 1 and 0 <= start and start + n <= total):
+                raise ValueError(f"num_new={n} from position {start} for sequence {sid!r} of "
+                                 f"{total} reserved tokens; allowed: n >= 1 within 0..{total}")
+            tables.append(bm.block_table(sid))
+            lens.append(start + n)
+            slot_map += bm.slot_mapping(sid, start, start + n)
+            positions += range(start, start + n)
+            # a one-token prompt reads its own K/V back from the pool, like a decode
+            (fresh if start == 0 and n > 1 else decode if n == 1 else continued).append(i)
+        cu = [0]
+        for n in num_new:
+            cu.append(cu[-1] + n)
+        by_length = sorted(decode, key=lambda i: lens[i])
+        groups = [self._group(by_length[j:j + self.decode_group], tables, lens, cu, 1, dev)
+                  for j in range(0, len(by_length), self.decode_group)]
+        groups += [self._group([i], tables, lens, cu, num_new[i], dev) for i in continued]
+        fresh_cu = [0]
+        for i in fresh:
+            fresh_cu.append(fresh_cu[-1] + num_new[i])
+        fresh_rows = [r for i in fresh for r in range(cu[i], cu[i + 1])]
+        self.step = PackedStep(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), cu=cu, seqlens=lens,
+            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev), tables=tables,
+            fresh=fresh, continued=continued, decode=decode,
+            fresh_rows=torch.tensor(fresh_rows, dtype=torch.long, device=dev),
+            fresh_cu=torch.tensor(fresh_cu, dtype=torch.int32, device=dev),
+            fresh_max=max((num_new[i] for i in fresh), default=0), pool_groups=groups)
+        return torch.tensor(positions, dtype=torch.long, device=dev)[None]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend) -> torch.Tensor:
+        """q [1, total, heads, head_dim]; k, v [1, total, kv_heads, head_dim] (rotated)
+        -> [1, total, heads, head_dim]."""
+        st = self.step
+        if st is None:
+            raise ValueError("call prepare(seq_ids, num_new) before the forward")
+        if q.shape[0] != 1 or q.shape[1] != st.slot_mapping.numel():
+            raise ValueError(f"packed q must be [1, {st.slot_mapping.numel()}, heads, head_dim]; "
+                             f"got {tuple(q.shape)}")
+        q, k, v = q[0], k[0], v[0]
+        self.paged.write(layer_idx, k, v, st.slot_mapping, has_pads=False)
+        out = torch.empty_like(q)
+        groups = st.pool_groups
+        if st.fresh and backend.with_kvcache is not None:
+            groups = groups + self._fresh_groups(q.device)
+        elif st.fresh:
+            rows, cu, longest = st.fresh_rows, st.fresh_cu, st.fresh_max
+            fresh_out = backend.varlen(q.index_select(0, rows), k.index_select(0, rows),
+                                       v.index_select(0, rows), cu, cu, longest, longest,
+                                       causal=True)
+            out.index_copy_(0, rows, fresh_out)
+        attention = self.paged.paged_attention(backend)
+        heads, head_dim = q.shape[1:]
+        for g in groups:
+            qg = q.index_select(0, g.rows).view(-1, g.seq_q, heads, head_dim)
+            got = attention(qg, self.paged.k[layer_idx], self.paged.v[layer_idx], g.seqlens,
+                            g.block_table, causal=True)
+            out.index_copy_(0, g.rows, got.reshape(-1, heads, head_dim))
+        return out[None]
+
+    def _fresh_groups(self, dev) -> list[PoolGroup]:
+        """Fresh prompts as pool groups of their own (for a layer backend that is a paged one)."""
+        st = self.step
+        if st.fresh_groups is None:
+            st.fresh_groups = [self._group([i], st.tables, st.seqlens, st.cu,
+                                           st.cu[i + 1] - st.cu[i], dev) for i in st.fresh]
+        return st.fresh_groups
+
+
+__all__ = ["PackedPagedCache", "PackedStep", "PoolGroup"]

@@ -1,0 +1,151 @@
+"""What the exercises of notebooks 06 and 07 rely on beyond the generic registry tests
+(tests/test_exercises.py runs every solution, placeholder and wrong variant): sending a
+notebook-defined function to spawned ranks, swapping the parallel layers' forward passes,
+and checker messages for answers of the wrong form."""
+import pickle
+import traceback
+
+import pytest
+import torch
+
+from llmlab import exercises
+from llmlab.layers import linear
+from llmlab.parallel import launch
+from llmlab.parallel.portable import PortableFunction, is_importable, portable
+
+NOTEBOOK_CELL = '''
+import torch
+import torch.distributed as dist
+from llmlab.layers.linear import all_reduce
+
+SCALE = 3.0
+LOOKUP = {"a": [1, 2]}
+
+
+def helper(t):
+    return t * SCALE
+
+
+@torch.no_grad()
+def summed(n):
+    x = torch.full((n,), float(dist.get_rank() + 1)) if dist.is_initialized() else torch.ones(n)
+    return [float(v) for v in all_reduce(helper(x))] if dist.is_initialized() else helper(x).tolist()
+
+
+def uses_lookup():
+    return LOOKUP["a"] + [len(str(SCALE))]
+
+
+def fails():
+    x = 1
+    return x / 0
+
+
+def factorial(n):
+    return 1 if n <= 1 else n * factorial(n - 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def cell(tmp_path_factory):
+    """The functions of a notebook cell: defined in ``__main__``, source readable from a file."""
+    path = tmp_path_factory.mktemp("nb") / "cell_1.py"
+    path.write_text(NOTEBOOK_CELL)
+    ns = {"__name__": "__main__"}
+    exec(compile(NOTEBOOK_CELL, str(path), "exec"), ns)
+    return ns
+
+
+def test_a_notebook_function_travels_by_source_with_what_it_reads(cell):
+    assert not is_importable(cell["summed"]) and is_importable(linear.all_reduce)
+    packed = portable(cell["summed"])
+    assert isinstance(packed, PortableFunction)
+    kinds = {name: ref[0] for name, ref in packed.refs.items()}
+    assert kinds == {"torch": "module", "dist": "module", "all_reduce": "import", "helper": "function"}
+    assert packed.refs["helper"][1].refs["SCALE"][0] == "value"
+    assert packed.source.startswith("def summed(")  # the decorator is dropped
+    again = pickle.loads(pickle.dumps(packed))
+    assert again(2) == [3.0, 3.0]  # no process group: the single-process branch
+    assert pickle.loads(pickle.dumps(portable(cell["uses_lookup"])))() == [1, 2, 3]
+    assert pickle.loads(pickle.dumps(portable(cell["factorial"])))(5) == 120
+    assert portable(linear.all_reduce) is linear.all_reduce  # importable: sent by name
+
+
+def test_a_traceback_from_a_sent_function_points_at_its_own_lines(cell):
+    again = pickle.loads(pickle.dumps(portable(cell["fails"])))
+    with pytest.raises(ZeroDivisionError) as info:
+        again()
+    last = traceback.extract_tb(info.tb)[-1]
+    assert last.name == "fails" and last.lineno == NOTEBOOK_CELL.splitlines().index("    return x / 0") + 1
+    assert last.line == "return x / 0"
+
+
+def test_what_cannot_travel_is_refused_with_its_name(cell):
+    with pytest.raises(ValueError, match="lambda"):
+        portable(lambda: 1)
+    lock = __import__("threading").Lock()
+    ns = {"__name__": "__main__", "LOCK": lock}
+    src = "def locked():\n    return LOCK.locked()\n"
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(src)
+    exec(compile(src, f.name, "exec"), ns)
+    with pytest.raises(ValueError, match="global 'LOCK'"):
+        portable(ns["locked"])
+    with pytest.raises(ValueError, match="must be importable .* lambda"):
+        launch(lambda: 1, 2)
+
+
+def test_launch_runs_a_notebook_function_on_two_ranks(cell):
+    from llmlab.parallel.comm import time_allreduce
+    from llmlab.parallel.workers import run_sequence
+
+    summed, timing = launch(run_sequence, 2, [(portable(cell["summed"]), (3,)),
+                                              (time_allreduce, ([256, 4096], 5))])
+    assert summed == [9.0, 9.0, 9.0]  # (1 + 2) × SCALE on every element
+    assert [r["bytes"] for r in timing] == [256, 4096]
+    assert all(r["us_min"] <= r["us_q1"] <= r["us"] <= r["us_q3"] <= r["us_max"] for r in timing)
+    assert launch(cell["summed"], 2, 2) == [9.0, 9.0]  # launch packs a notebook fn itself
+
+
+def test_use_parallel_forwards_swaps_and_restores():
+    def mine(x, weight, bias):
+        return x
+
+    assert linear._FORWARDS == {"column": None, "row": None}
+    with linear.use_parallel_forwards(column=mine):
+        assert linear._FORWARDS["column"] is mine and linear._FORWARDS["row"] is None
+        # a layer that is not split ignores the swap
+        layer = linear.ColumnParallelLinear(4, 6, tp_rank=0, tp_size=1)
+        torch.nn.init.ones_(layer.weight)
+        assert layer(torch.ones(2, 4)).shape == (2, 6)
+    assert linear._FORWARDS == {"column": None, "row": None}
+    with pytest.raises(ValueError, match="row=3 must be a function"):
+        with linear.use_parallel_forwards(row=3):
+            pass
+
+
+def test_checkers_answer_the_wrong_form_clearly():
+    v = exercises.check("nb07.tensor_parallel_linear", lambda x, w, b: x)
+    assert not v.passed and "pair of functions" in v.message
+    v = exercises.check("nb06.moe_dispatch", lambda x, logits, k, *w: x[:1])
+    assert not v.passed and "shape (1, 16)" in v.message and "(37, 16)" in v.message
+    v = exercises.check("nb06.capacity_drop", lambda e, n, cf: [True])
+    assert not v.passed and "bool tensor" in v.message
+    v = exercises.check("nb06.predict_drops", "lots")
+    assert not v.passed and "percentage" in v.message
+    assert "not yet" in str(exercises.check("nb07.explain_cpu_slowdown", "e"))
+
+
+def test_a_placeholder_is_told_not_yet_without_starting_processes(monkeypatch):
+    import sys
+
+    launch_module = sys.modules["llmlab.parallel.launch"]  # the package re-exports the function
+    started = []
+    monkeypatch.setattr(launch_module, "launch", lambda *a, **k: started.append(a))
+    for name in ("nb07.tensor_parallel_linear", "nb07.sequence_parallel_norm"):
+        ex = exercises.get(name)
+        v = ex.check(ex.placeholder)
+        assert not v.passed and "NotImplementedError" in v.message
+    assert started == []
