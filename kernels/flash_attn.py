@@ -197,19 +197,21 @@ def _flash_fwd_kernel(Q, K, V, O, CU_Q, CU_K, K_START, K_END,
 # (H100, wgmma reads them from shared memory); 128 query rows on 4 warps at head_dim 128
 # hold a 128-register accumulator per thread and always spill.
 _TILES = {
-    ("sm_80", 64, "half"): [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)],
-    ("sm_80", 128, "half"): [(128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4)],
-    ("sm_80", 256, "half"): [(64, 32, 4, 2), (64, 64, 8, 2)],
-    ("sm_90", 64, "half"): [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+    ("sm_80", 64, "half"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                             (64, 32, 4, 4)],
-    ("sm_90", 128, "half"): [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
-    ("sm_90", 256, "half"): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    ("sm_80", 128, "half"): [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 4)],
+    ("sm_80", 256, "half"): [(64, 32, 4, 2), (64, 32, 8, 2)],
+    ("sm_90", 64, "half"): [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+                            (64, 64, 4, 3), (64, 32, 4, 4)],
+    ("sm_90", 128, "half"): [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3),
+                             (64, 32, 4, 4)],
+    ("sm_90", 256, "half"): [(64, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
     ("sm_80", 64, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
     ("sm_80", 128, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    ("sm_80", 256, "fp32"): [(32, 32, 4, 2)],
+    ("sm_80", 256, "fp32"): [(32, 32, 4, 2), (32, 16, 4, 2)],
     ("sm_90", 64, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
     ("sm_90", 128, "fp32"): [(64, 32, 4, 2), (32, 32, 4, 2)],
-    ("sm_90", 256, "fp32"): [(32, 32, 4, 2)],
+    ("sm_90", 256, "fp32"): [(32, 32, 4, 2), (32, 16, 4, 2)],
 }
 ARCHS = ("sm_80", "sm_90")
 
@@ -419,46 +421,3 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 int(max_seqlen_k), batch, int(max_seqlen_q), causal, True, softmax_scale,
                 block_m, block_n, num_warps, num_stages)
     return o[0]
-
-
-def compile_ahead(arch: int = 90, dtype: str = "bf16", head_dim: int = 64, causal: bool = True,
-                  varlen: bool = False, key_range: bool = False, block_m: int = 128,
-                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
-    """Compile the kernel for CUDA compute capability ``arch`` (80 = A100, 90 = H100/H200)
-    without a GPU, down to PTX and a cubin, and return the compiled kernel (``.asm["ptx"]``).
-
-    Lets a CPU-only machine check that the GPU path compiles (the interpreter never
-    compiles). Needs ``TRITON_INTERPRET=0`` in the environment before this module is
-    imported, so run it in a fresh process. Pointers and strides are declared divisible
-    by 16, as the JIT specializes them for realistic shapes; ``dtype`` is "fp32", "fp16" or "bf16".
-    """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _flash_fwd_kernel
-    if not hasattr(fn, "arg_names") or _interpreted():
-        raise ValueError("compile_ahead needs TRITON_INTERPRET=0 set before the kernel module "
-                         "is imported (run it in a fresh process)")
-    if dtype not in ("fp32", "fp16", "bf16"):
-        raise ValueError(f"dtype={dtype!r}; allowed: 'fp32', 'fp16', 'bf16'")
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                  VARLEN=varlen, HAS_K_RANGE=key_range,
-                  DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O"):
-            sig[name], attrs[(i,)] = "*" + dtype, [["tt.divisibility", 16]]
-        elif name in ("CU_Q", "CU_K", "K_START", "K_END"):
-            sig[name], attrs[(i,)] = "*i32", [["tt.divisibility", 16]]
-        elif name == "qk_scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})

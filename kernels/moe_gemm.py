@@ -24,13 +24,16 @@ Two implementations with the same signature:
                          Ragged groups (sizes not multiples of BLOCK_M) are masked; empty
                          experts get no tiles. Accumulates in float32; for float32 inputs
                          the dot runs in IEEE precision (no TF32), so it matches PyTorch to
-                         ~1e-6 relative. Limits: BLOCK_* >= 16 (tl.dot), 2-D x, 3-D w.
+                         ~1e-6 relative; float16/bfloat16 run on tensor cores. Limits:
+                         BLOCK_* powers of two >= 16 (tl.dot), 2-D x, 3-D w of x's dtype.
 
 On a machine without CUDA the kernel runs in the Triton interpreter (TRITON_INTERPRET=1,
 set by ``import llmlab``): correct but slow, for tests at small sizes only.
 Taught in notebook 06.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -68,7 +71,7 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, offsets_ptr, tile_exper
                          N, K,
                          stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
                          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)
@@ -90,12 +93,26 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, offsets_ptr, tile_exper
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N] = w[e].T tile
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_SCALE:
         s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * s[:, None]
     out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) that build without register
+# spills for A100 and H100 (python -m llmlab.kernels.report --kernel moe); the first is the
+# wrapper's default.
+GPU_TILES = [(32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def tile_table(offsets: torch.Tensor, total_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,21 +136,38 @@ def tile_table(offsets: torch.Tensor, total_rows: int, block_m: int) -> tuple[to
 def grouped_gemm_triton(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                         scale: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
                         block_k: int = 32) -> torch.Tensor:
-    """Grouped GEMM with the Triton kernel (compiled on CUDA, interpreted on CPU)."""
+    """Grouped GEMM with the Triton kernel (compiled on CUDA, interpreted on CPU).
+
+    x and w must share a dtype (float32, float16 or bfloat16); the BLOCK_* tile sizes are
+    powers of two >= 16 (tl.dot's minimum).
+    """
     _check(x, w, offsets, scale)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if b < 16 or b & (b - 1):
+        if not isinstance(b, int) or b < 16 or b & (b - 1):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (tl.dot needs it)")
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"x and w must share one dtype of float32, float16 or bfloat16; got "
+                         f"x {x.dtype}, w {w.dtype}")
+    if x.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"grouped_gemm_triton got {x.device.type} tensors, but Triton is "
+                         "compiling for the GPU here; move them to CUDA, or set "
+                         "TRITON_INTERPRET=1 before importing llmlab to use the interpreter")
     m, n, k = x.shape[0], w.shape[1], x.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     tile_expert, tile_row = tile_table(offsets, m, block_m)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    # float32 dots in full IEEE precision (no TF32); float16/bfloat16 on tensor cores. The
+    # interpreter multiplies bfloat16 tiles as raw 16-bit patterns, so there they are
+    # upcast to float32 first (as in flash_attn); compiled kernels never upcast.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = _interpreted() and x.dtype == torch.bfloat16
     _grouped_gemm_kernel[grid](
         x, w, y, scale if scale is not None else y, offsets.to(torch.int32), tile_expert, tile_row,
         n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision, UPCAST=upcast)
     return y
 
 

@@ -30,13 +30,16 @@ table (``block_table[b, j // block_size] * block_size + j % block_size``), so on
 span several small blocks or part of a large one, and any block size that is a power of
 two works. Softmax is online (running max and sum, as in FlashAttention), in float32.
 
-Limits: head_dim a power of two >= 16; block_size a power of two (tested 8..128); no
+Limits: head_dim a power of two >= 16; block_size a power of two (tested 8..128); q and
+the pool of one dtype (float16/bfloat16 dots run on tensor cores, float32 in IEEE
+precision); offsets into the pool in int64, so a pool may exceed 2^31 elements; no
 split over the key axis, so a long context with few sequences uses few programs (fine in
 the interpreter, slow-ish on a big GPU at batch 1). Taught in notebook 04.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -54,13 +57,17 @@ def _paged_attn_fwd(
     sm_scale, seq_q, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
     ctx = tl.load(SEQLENS + b)
+    # offsets into the pool reach past 2^31 elements on a large GPU: int64 from here on
+    b64 = b.to(tl.int64)
+    k_head = K + kvh.to(tl.int64) * stride_kh
+    v_head = V + kvh.to(tl.int64) * stride_vh
 
     # packed rows: (query position, head within the kv head's group)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,8 +75,10 @@ def _paged_attn_fwd(
     head = kvh * GROUP + offs_m % GROUP
     row_ok = qpos < seq_q
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
+    q = tl.load(Q + b64 * stride_qb + qpos[:, None] * stride_qs + head[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     if CAUSAL:
         row_end = ctx - seq_q + qpos + 1                       # keys [0, row_end) visible
@@ -85,10 +94,13 @@ def _paged_attn_fwd(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < ctx
-        blk = tl.load(BT + b * stride_btb + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
+        blk = tl.load(BT + b64 * stride_btb + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
+        blk = blk.to(tl.int64)
         tok = offs_n % BLOCK_SIZE
-        k = tl.load(K + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh
+        k = tl.load(k_head + blk[:, None] * stride_kb + tok[:, None] * stride_kt
                     + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [M, N]
         allowed = key_ok[None, :] & (offs_n[None, :] < row_end[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -97,27 +109,57 @@ def _paged_attn_fwd(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh
+        v = tl.load(v_head + blk[:, None] * stride_vb + tok[:, None] * stride_vt
                     + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # no visible key -> zeros
-    tl.store(O + b * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
+    tl.store(O + b64 * stride_ob + qpos[:, None] * stride_os + head[:, None] * stride_oh
              + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+BLOCK_M = 16   # packed query rows per tile: tl.dot's minimum; a decode step has `group` rows
+BLOCK_N = 64   # keys per step of the loop
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cache_seqlens: torch.Tensor, block_table: torch.Tensor,
                     softmax_scale: float | None = None, causal: bool = True,
-                    block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+                    block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
     """Attention of ``q`` over a paged K/V pool; shapes in the module docstring.
 
-    Inputs are assumed validated by :func:`llmlab.attention.paged.check_paged_args`.
+    Shapes and lengths are assumed validated by
+    :func:`llmlab.attention.paged.check_paged_args`; this checks what the compiled kernel
+    needs beyond them (the interpreter would forgive it): one dtype for q and the pool,
+    tiles and KV block size that are powers of two (tiles >= 16, for ``tl.dot``).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Triton kernel")
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share one dtype of float32, float16 or "
+                         f"bfloat16; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if not _power_of_two(blk) or blk < 16:
+            raise ValueError(f"{name}={blk!r} must be a power of two >= 16 (16, 32, 64, ...)")
+    if not _power_of_two(block_size):
+        raise ValueError(f"KV block_size={block_size} must be a power of two (8, 16, 32, ...)")
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"paged_attention got {q.device.type} tensors, but Triton is compiling "
+                         "for the GPU here; move them to CUDA, or set TRITON_INTERPRET=1 before "
+                         "importing llmlab to run the kernel in the interpreter")
     q = q.contiguous()
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
@@ -128,6 +170,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = heads // kv_heads
     grid = (triton.cdiv(seq_q * group, block_m), batch * kv_heads)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # The interpreter multiplies bfloat16 tiles as their raw 16-bit patterns (Triton 3.x), so
+    # there the tiles are upcast to float32 before tl.dot, as in flash_attn; never compiled.
+    upcast = _interpreted() and q.dtype == torch.bfloat16
     _paged_attn_fwd[grid](
         q, k_cache, v_cache, out, block_table, seqlens,
         q.stride(0), q.stride(1), q.stride(2),
@@ -138,5 +183,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, seq_q, kv_heads,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), PRECISION=precision,
+        UPCAST=upcast,
     )
     return out

@@ -43,6 +43,7 @@ __all__ = ["generate", "generate_token_ids", "generate_paged", "Generation", "To
 #   prefill() -> logits [batch, vocab] after each prompt
 #   decode(rows, tokens) -> logits [len(rows), vocab]: feed each row its newest token
 #   release(row): that sequence is finished       close(): the generation is over
+# and ``num_cached``: per prompt, the tokens a cache already held (only the paged one has any).
 
 
 def _next_column(batch: int, rows: list[int], tokens: list[int], pad_token_id: int,
@@ -67,15 +68,18 @@ class RecomputeBatch:
         self.ids, self.mask = left_pad(prompts, pad_token_id, model.device)
         self.num_cached = [0] * len(prompts)      # prompt tokens found in a cache: none
 
-    def prefill(self) -> torch.Tensor:
+    def _forward(self) -> torch.Tensor:
         return self.model(self.ids, attention_mask=self.mask, last_only=True)[:, -1]
+
+    def prefill(self) -> torch.Tensor:
+        return self._forward()
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         new, real = _next_column(len(self.ids), rows, tokens, self.pad_token_id, self.model.device)
         self.ids = torch.cat([self.ids, new], dim=1)
         self.mask = torch.cat([self.mask, torch.ones_like(new) if real is None else real.long()],
                               dim=1)
-        return self.prefill()[rows]
+        return self._forward()[rows]          # the whole sequences again: O(length) per token
 
     def release(self, row: int) -> None:
         pass
@@ -187,6 +191,9 @@ def _make_batch(model, prompts: list[list[int]], budgets: list[int], pad_token_i
     if kv_cache == "none":
         return RecomputeBatch(model, prompts, pad_token_id)
     if kv_cache == "paged":
+        allowed = attn_backends.paged_backends()
+        if paged_attention is not None and paged_attention not in allowed:
+            raise ValueError(f"paged_attention={paged_attention!r}; allowed: {allowed} or None")
         if num_blocks is None:        # exactly what these sequences can reach
             num_blocks = blocks_needed([len(p) + b for p, b in zip(prompts, budgets)], block_size)
         cache = PagedKVCache.for_model(model, num_blocks, block_size, backend=paged_attention)

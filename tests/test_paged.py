@@ -249,6 +249,14 @@ def test_generate_paged_out_of_blocks_is_clear(tiny, tokenizer):
         generate_paged(tiny, tokenizer, [[1] * 40], max_new_tokens=4, block_size=8, num_blocks=2)
     with pytest.raises(ValueError, match="backend='flash'"):
         generate_paged(tiny, tokenizer, "hi", backend="flash")
+    with pytest.raises(ValueError, match="paged_attention='flash'; allowed: \\['paged'"):
+        llmlab.generate(tiny, tokenizer, "hi", kv_cache="paged", paged_attention="flash")
+    # a pool that holds the prompt (2 blocks of 8) but not the first new token's block
+    cache = PagedKVCache.for_model(tiny, num_blocks=2, block_size=8)
+    for prompt in ([1] * 40, [1] * 16):
+        with pytest.raises(NoFreeBlocksError):
+            llmlab.generate(tiny, tokenizer, [prompt], max_new_tokens=4, kv_cache=cache)
+        assert cache.manager.num_used_blocks == 0
 
 
 def test_smollm2_greedy_tokens_match_contiguous_or_baseline(smollm2, tokenizer):
@@ -302,3 +310,15 @@ def test_exercise_checks_accept_right_and_reject_wrong(capsys):
     assert not nb04.check_cow_blocks(...)
     out = capsys.readouterr().out
     assert "✅" in out and "❌" in out
+
+
+def test_the_engine_option_that_picks_the_paged_attention():
+    from llmlab.engine.runner import choose_paged_attention
+
+    assert choose_paged_attention(None, torch.device("cpu")) == "paged_sdpa"
+    assert choose_paged_attention(None, torch.device("cuda")) == "paged_triton"
+    assert choose_paged_attention("paged", torch.device("cpu")) == "paged"
+    with pytest.warns(DeprecationWarning, match="decode_attention= is now paged_attention="):
+        assert choose_paged_attention(None, "cpu", decode_attention="gather") == "paged_sdpa"
+    with pytest.raises(ValueError, match=r"paged_attention='sdpa'; allowed: \['paged', "):
+        choose_paged_attention("sdpa", "cpu")

@@ -1,5 +1,5 @@
 """Roofline: the analytic costs of prefill and decode, the measured ceilings, the
-notebook-02 widget callback and exercise checks."""
+notebook-02 widget callback and figure, and the compute-bound-batch exercise's answer."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,7 +7,6 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from llmlab.config import ModelConfig  # noqa: E402
-from llmlab.exercises import nb02  # noqa: E402
 from llmlab.models.registry import model_dir  # noqa: E402
 from llmlab.profiling.flops import model_flops_per_token, weight_bytes  # noqa: E402
 from llmlab.profiling.roofline import (Ceilings, Cost, RooflinePoint, decode_cost,  # noqa: E402
@@ -92,15 +91,26 @@ def test_explore_draws_both_panels(cfg, capsys):
         explore(1, 99999, cfg, CEIL)
 
 
-def test_exercise_checks_reject_wrong_and_accept_right(cfg, capsys):
-    assert nb02.check_kv_bytes_7b(None) is False
-    assert nb02.check_kv_bytes_7b(262_144) is False
-    assert "K or V" in capsys.readouterr().out
-    assert nb02.check_kv_bytes_7b(524_288) is True
-    assert nb02.check_compute_bound_batch(..., cfg) is False
-    assert nb02.check_compute_bound_batch(20, cfg) is False
-    assert "batch/2 ignores" in capsys.readouterr().out
+def test_plot_roofline_draws_the_spread():
+    from llmlab.viz.roofline import plot_roofline
+
+    pt = RooflinePoint(Cost(flops=2_000_000_000, bytes=1_000_000_000, label="x"), seconds=0.5)
+    ax = plot_roofline(CEIL, [pt], spreads=[(0.25, 1.0)])
+    bars = [c for c in ax.containers if hasattr(c, "lines")]
+    assert len(bars) == 1
+    (_, caps, (segments,)) = bars[0].lines
+    (x0, y0), (x1, y1) = segments.get_segments()[0]
+    # 2 GFLOP in 1.0 s .. 0.25 s: the bar spans 2 .. 8 GFLOP/s around the median's 4
+    assert sorted((y0, y1)) == pytest.approx([2.0, 8.0])
+    with pytest.raises(ValueError, match="spreads has 2 entries for 1 points"):
+        plot_roofline(CEIL, [pt], spreads=[(0.1, 0.2), (0.1, 0.2)])
+
+
+def test_compute_bound_batch_checker_agrees_with_the_model(cfg):
+    from llmlab.exercises import nb02
+
     right = nb02.smallest_compute_bound_batch(cfg, 512, 10.0)
-    assert right is not None and right > 20
-    assert nb02.check_compute_bound_batch(right - 1, cfg) is False
-    assert nb02.check_compute_bound_batch(right, cfg) is True
+    assert right is not None and right > 20       # the batch/2 guess is too optimistic
+    assert decode_cost(cfg, right, 512).intensity >= 10.0 > decode_cost(cfg, right - 1, 512).intensity
+    assert nb02._check_compute_bound_batch(right, cfg).passed
+    assert not nb02._check_compute_bound_batch(right - 1, cfg).passed

@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from llmlab.device import has_triton  # noqa: E402
 from llmlab.profiling.flops import attention_flops  # noqa: E402
 from llmlab.profiling.hbm import (H100, standard_attention_hbm, tile_footprint,  # noqa: E402
                                   tiled_attention_hbm)
@@ -46,8 +47,10 @@ def test_explorer_numbers_and_measurement():
     assert r.standard_bytes == standard_attention_hbm(2048, 64).total
     assert r.tiled_bytes == tiled_attention_hbm(2048, 64, 32, 16, causal=True).total
     expected_n = 2048 if torch.cuda.is_available() else 40
-    assert r.measured_n == expected_n and r.measured_s > 0
-    assert r.measured_spread[0] <= r.measured_s <= r.measured_spread[1]
+    assert r.measured_n == expected_n
+    if has_triton():    # without Triton the panel says so (tests/test_exercises_nb03.py)
+        assert r.measured_s > 0
+        assert r.measured_spread[0] <= r.measured_s <= r.measured_spread[1]
     assert len(r.figure.axes) == 3
     big = flash_explorer(block_q=256, block_k=256, head_dim=128, n=1024, measure=False)
     assert not big.fits and big.measured_s is None

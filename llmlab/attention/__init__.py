@@ -32,6 +32,8 @@ from .reference import (causal_mask, expand_kv, naive_attention, sdpa_attention,
 
 @dataclass(frozen=True)
 class Backend:
+    """One registered backend: its forms of the same computation (see :func:`register`)."""
+
     name: str
     forward: Callable  # the dense/padded form above
     description: str = ""

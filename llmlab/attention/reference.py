@@ -180,6 +180,7 @@ def varlen_by_sequence(forward: Callable) -> Callable:
         return attend_each_sequence(forward, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     causal=causal, softmax_scale=softmax_scale)
 
-    varlen.__name__ = f"{forward.__name__}_varlen"
-    varlen.__doc__ = f"The varlen form of {forward.__name__}: one call per packed sequence."
+    label = getattr(forward, "__name__", type(forward).__name__)
+    varlen.__name__ = f"{label}_varlen"
+    varlen.__doc__ = f"The varlen form of {label}: one call per packed sequence."
     return varlen

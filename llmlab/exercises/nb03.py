@@ -323,9 +323,9 @@ def as_backend(fn: Callable, block_m: int = 64, block_n: int = 64) -> Callable:
         if softmax_scale is not None and abs(softmax_scale * math.sqrt(q.shape[-1]) - 1) > 1e-9:
             raise ValueError(f"softmax_scale={softmax_scale} is not 1/√d; this backend "
                              "always scales by 1/√d")
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_m, block_n,
-                 causal=causal)
-        return out.transpose(1, 2)
+        # contiguous copies, so that a .view() in the student's code works as on the test inputs
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        return fn(q, k, v, block_m, block_n, causal=causal).transpose(1, 2)
 
     return forward
 

@@ -20,10 +20,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..cache.block_manager import BlockManager, NoFreeBlocksError
-from . import (call_cases, choice_verdict, compare_tensors, exercise, first_token_difference,
-               number_verdict, right, wrong)
+from . import choice_verdict, compare_tensors, exercise, first_token_difference, right, wrong
 
 NB = "04_paged_attention"
+
+
+def _returns_none(fn, cases) -> tuple[list, int | None]:
+    """``fn(*args)`` per case (its exceptions propagate: the verdict then names them);
+    -> (results, index of the first None or None)."""
+    got = [fn(*args) for args in cases]
+    return got, next((i for i, g in enumerate(got) if g is None), None)
 
 
 # ---- 1. slot mapping ---------------------------------------------------------------------
@@ -47,9 +53,9 @@ _SLOT_CASES = [([7, 2, 9], 0, 4, 28), ([7, 2, 9], 5, 4, 9), ([7, 2, 9], 11, 4, 3
           })
 def _check_slot_of(fn):
     """``fn(block_table, position, block_size)`` -> the flat slot of token ``position``."""
-    got, problem = call_cases(fn, [c[:3] for c in _SLOT_CASES], "an int")
-    if problem:
-        return wrong(problem + ".", "return an int: the slot in the flattened pool.")
+    got, none_at = _returns_none(fn, [c[:3] for c in _SLOT_CASES])
+    if none_at is not None:
+        return wrong("your function returns None.", "return an int: the slot in the flattened pool.")
     for (table, pos, bs, want), g in zip(_SLOT_CASES, got):
         if g != want:
             hint = ("the logical block is position // block_size and the offset inside it "
@@ -82,9 +88,10 @@ _WASTE_CASES = [([1], 16, 15), ([16, 17], 16, 15), ([5, 9, 33], 8, 3 + 7 + 7), (
           })
 def _check_wasted_slots(fn):
     """``fn(lengths, block_size)`` -> slots allocated but not holding a token, summed."""
-    got, problem = call_cases(fn, [(list(ls), bs) for ls, bs, _ in _WASTE_CASES], "an int")
-    if problem:
-        return wrong(problem + ".", "return an int: the unused slots of all sequences together.")
+    got, none_at = _returns_none(fn, [(list(ls), bs) for ls, bs, _ in _WASTE_CASES])
+    if none_at is not None:
+        return wrong("your function returns None.",
+                     "return an int: the unused slots of all sequences together.")
     for (lengths, bs, want), g in zip(_WASTE_CASES, got):
         if g != want:
             full = any(n and n % bs == 0 for n in lengths)
@@ -549,8 +556,8 @@ def _check_block_allocator(cls, model=None, tokenizer=None):
     return right(f"{report.ops:,} random operations kept every invariant ({report.allocations:,} "
                  f"allocations, {report.forks:,} forks, {report.copies:,} copy-on-write copies, "
                  f"{report.refusals:,} refusals), and SmolLM2 served 4 completions with your "
-                 f"allocator under the block tables ({pre} preemption{'s' if pre != 1 else ''}, one fork): the same "
-                 "tokens as with llmlab's.")
+                 f"allocator under the block tables ({pre} preemption{'s' if pre != 1 else ''}, "
+                 "one fork): the same tokens as with llmlab's.")
 
 
 # ---- 4. copy-on-write, by hand -------------------------------------------------------------

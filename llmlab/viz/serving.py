@@ -191,48 +191,93 @@ def dry_run(prompt_lens: list[int], output_lens: list[int],
 
 def arrival_sweep(llm_by_policy: dict[str, LLM], prompts: list[list[int]],
                   max_tokens: list[int], base_arrivals: list[float],
-                  rates: list[float]) -> list[dict]:
+                  rates: list[float], repeats: int = 1) -> list[dict]:
     """Serve the same requests at several arrival rates with each engine.
 
     ``base_arrivals``: arrival times (s) of a trace; they are rescaled so requests come
-    in at ``rate`` per second on average. Returns rows {"policy", "rate", "tokens_per_s",
-    "ttft_mean_s", "e2e_mean_s", "e2e_p90_s"} (greedy, EOS ignored).
+    in at ``rate`` per second on average. Each (rate, engine) is served ``repeats`` times,
+    the engines interleaved. Returns rows {"policy", "rate", "tokens_per_s",
+    "ttft_mean_s", "e2e_mean_s", "e2e_p90_s"} holding the median over the repeats, plus
+    "tokens_per_s_range" and "e2e_mean_range" (min, max). Greedy, EOS ignored.
     """
     if not rates or any(r <= 0 for r in rates):
         raise ValueError(f"rates={rates!r} must be positive requests per second")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be a positive int")
     span = base_arrivals[-1] - base_arrivals[0] or 1.0
     mean_rate = (len(base_arrivals) - 1) / span
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     rows = []
     for rate in rates:
         arrivals = [(a - base_arrivals[0]) * mean_rate / rate for a in base_arrivals]
-        for policy, llm in llm_by_policy.items():
-            outs = llm.generate(prompts, params, use_tqdm=False, arrival_times=arrivals)
-            wall = llm.stats.wall_s
-            m = [o.metrics for o in outs]
-            e2e = sorted(x.e2e_s for x in m)
-            rows.append({"policy": policy, "rate": rate,
-                         "tokens_per_s": sum(x.output_tokens for x in m) / wall,
-                         "ttft_mean_s": statistics.fmean(x.ttft_s for x in m),
-                         "e2e_mean_s": statistics.fmean(e2e),
-                         "e2e_p90_s": e2e[int(0.9 * (len(e2e) - 1))]})
+        samples: dict[str, list[dict]] = {p: [] for p in llm_by_policy}
+        for _ in range(repeats):
+            for policy, llm in llm_by_policy.items():
+                outs = llm.generate(prompts, params, use_tqdm=False, arrival_times=arrivals)
+                wall = llm.stats.wall_s
+                m = [o.metrics for o in outs]
+                e2e = sorted(x.e2e_s for x in m)
+                samples[policy].append({
+                    "tokens_per_s": sum(x.output_tokens for x in m) / wall,
+                    "ttft_mean_s": statistics.fmean(x.ttft_s for x in m),
+                    "e2e_mean_s": statistics.fmean(e2e),
+                    "e2e_p90_s": e2e[int(0.9 * (len(e2e) - 1))]})
+        for policy, runs in samples.items():
+            row = {"policy": policy, "rate": rate}
+            for key in ("tokens_per_s", "ttft_mean_s", "e2e_mean_s", "e2e_p90_s"):
+                row[key] = statistics.median(r[key] for r in runs)
+            for key, name in (("tokens_per_s", "tokens_per_s_range"),
+                              ("e2e_mean_s", "e2e_mean_range")):
+                row[name] = (min(r[key] for r in runs), max(r[key] for r in runs))
+            rows.append(row)
     return rows
 
 
 def plot_throughput_latency(rows: list[dict], title: str = ""):
-    """Mean end-to-end latency against throughput, one line per policy, points = rates."""
+    """Mean end-to-end latency against throughput, one line per policy, points = rates
+    (with min–max whiskers when the rows carry ranges, as :func:`arrival_sweep`'s do)."""
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
     for policy in dict.fromkeys(r["policy"] for r in rows):
         rs = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
-        ax.plot([r["tokens_per_s"] for r in rs], [r["e2e_mean_s"] for r in rs], "o-",
-                label=policy)
+        x = [r["tokens_per_s"] for r in rs]
+        y = [r["e2e_mean_s"] for r in rs]
+        line, = ax.plot(x, y, "o-", label=policy)
+        if all("e2e_mean_range" in r for r in rs):
+            ax.errorbar(x, y, fmt="none", ecolor=line.get_color(), capsize=2, lw=0.8,
+                        yerr=[[v - r["e2e_mean_range"][0] for v, r in zip(y, rs)],
+                              [r["e2e_mean_range"][1] - v for v, r in zip(y, rs)]],
+                        xerr=[[v - r["tokens_per_s_range"][0] for v, r in zip(x, rs)],
+                              [r["tokens_per_s_range"][1] - v for v, r in zip(x, rs)]])
         for r in rs:
             ax.annotate(f"{r['rate']:g}/s", (r["tokens_per_s"], r["e2e_mean_s"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set(xlabel="throughput (generated tokens/s)", ylabel="mean end-to-end latency (s)",
            title=title or "throughput vs latency as the arrival rate grows")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_rounds(values: dict[str, list[float]], ylabel: str, title: str = ""):
+    """One bar per system: the median of its repeated measurements, whiskers min–max."""
+    if not values or any(not v for v in values.values()):
+        raise ValueError("values must map each name to a non-empty list of measurements")
+    fig, ax = plt.subplots(figsize=(7, 2.8), dpi=80)
+    names = list(values)
+    med = [statistics.median(values[n]) for n in names]
+    err = [[m - min(values[n]) for m, n in zip(med, names)],
+           [max(values[n]) - m for m, n in zip(med, names)]]
+    ax.barh(range(len(names)), med, xerr=err, capsize=4, color="#2e86ab")
+    for i, m in enumerate(med):
+        ax.text(m, i, f"  {m:.1f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(max(v) for v in values.values()))
+    ax.set_xlabel(f"{ylabel} (median, min–max over {min(len(v) for v in values.values())} runs)")
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -301,5 +346,6 @@ def explore_batching(max_num_seqs: int = 8, num_blocks: int = 40, block_size: in
     return fig
 
 
-__all__ = ["dry_run", "DryRun", "SchedulerStall", "occupancy_grid", "plot_occupancy", "plot_step_times", "arrival_sweep", "plot_throughput_latency",
+__all__ = ["dry_run", "DryRun", "SchedulerStall", "occupancy_grid", "plot_occupancy",
+           "plot_step_times", "arrival_sweep", "plot_throughput_latency", "plot_rounds",
            "demo_requests", "serve_demo", "explore_batching"]

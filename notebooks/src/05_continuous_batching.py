@@ -366,18 +366,18 @@ exercises.check("nb05.explain_chunking", my_choice)
 #
 # Now requests arrive over time: the trace's arrival times, rescaled to an average rate. For this
 # sweep we use the **tiny random model (tiny-llama)** so that the runs fit in seconds; its numbers
-# show the shape, not SmolLM2's speed. Each point is the median of 3 runs.
+# show the shape, not SmolLM2's speed. Each point is the median of 5 runs (whiskers: min–max).
 
 # %%
 from llmlab.viz.serving import arrival_sweep, plot_throughput_latency
 
-sweep_n = 16 if QUICK else 24
+sweep_n = 12 if QUICK else 16
 sweep = trace[:sweep_n]
-rates = [40, 640] if QUICK else [20, 80, 320, 1280]
+rates = [40, 640] if QUICK else [40, 160, 640, 2560]
 llms = {p: LLM(tiny, tok, scheduler=p, max_num_seqs=4, num_blocks=256) for p in ("static", "continuous")}
 rows = arrival_sweep(llms, [r.prompt_token_ids for r in sweep],
                      [min(r.output_tokens, 48) for r in sweep],
-                     [r.arrival_s for r in sweep], rates, repeats=3)
+                     [r.arrival_s for r in sweep], rates, repeats=5)
 fig = plot_throughput_latency(rows, title=f"tiny-llama, {sweep_n} requests, 4 seats ({device_name()})")
 for r in rows:
     print(f"{r['policy']:10s} {r['rate']:5g} req/s: {r['tokens_per_s']:7.0f} tok/s, "

@@ -6,7 +6,6 @@
 # %%
 import torch
 
-import llmlab
 from llmlab import exercises
 from llmlab.exercises.nb02 import KVCacheBase
 

@@ -1,0 +1,505 @@
+"""Build every Triton kernel of the workbook for A100 and H100, on any machine, and report
+what the compiler made of each tile (shown in notebooks 03, 04 and 06).
+
+    python -m llmlab.kernels.report [--arch sm_80 sm_90] [--kernel flash paged moe]
+                                    [--dtype fp16 bf16 fp32] [--full] [--json] [--check]
+
+Triton compiles for a GPU named by its compute capability, and its wheel ships ``ptxas``
+and ``cuobjdump``, so a CPU-only machine can build a kernel down to the cubin an A100
+(sm_80) or H100/H200 (sm_90) would run. Per build this reports the registers per thread,
+the stack (register spills) per thread, the shared memory per block, the theoretical
+occupancy, and the count of tensor-core instructions in the SASS (``HMMA``: warp-level
+``mma.sync``, sm_80 and up; ``HGMMA``: warpgroup ``wgmma``, sm_90).
+
+The builds are the tiles the wrappers and autotuners can pick: every autotune config of
+``flash_attn`` (:func:`llmlab.kernels.flash_attn.tile_configs`) at head_dim 64 and 128,
+the paged-attention kernel at each KV block size, and the grouped GEMM at each tile of
+:data:`llmlab.kernels.moe_gemm.GPU_TILES`, in float16, bfloat16 and float32. ``--full``
+adds every mask variant (causal or not, key range, varlen) and head_dim 256.
+
+In a process where Triton was set up for its interpreter (``TRITON_INTERPRET=1``, as
+``import llmlab`` sets on a machine without CUDA) nothing can be compiled, Triton's own
+``@triton.jit`` library included, so the builds run in a child process with the
+interpreter off. Builds are cached by Triton (``~/.triton/cache``): a second report is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM limits of one GPU generation, for theoretical occupancy.
+
+    Source: NVIDIA, CUDA C++ Programming Guide, "Compute Capabilities", table
+    "Technical Specifications per Compute Capability" (compute capability 8.0 = A100,
+    9.0 = H100/H200): 64 K 32-bit registers per SM, at most 255 per thread; at most 64
+    resident warps and 32 resident blocks per SM; shared memory per SM 164 KB (8.0) and
+    228 KB (9.0), of which one block may use at most 163 KB (8.0) and 227 KB (9.0). The
+    allocation granularities (registers in units of 256 per warp, shared memory in units
+    of 128 bytes, 1 KB of shared memory reserved by the system per block) are those of
+    the CUDA Occupancy Calculator in Nsight Compute for these compute capabilities.
+    """
+
+    name: str
+    gpu: str
+    shared_per_sm: int
+    shared_per_block: int
+    tensor_core_op: str
+    registers_per_sm: int = 65536
+    max_registers_per_thread: int = 255
+    register_unit: int = 256
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    shared_unit: int = 128
+    shared_reserved_per_block: int = 1024
+
+    @property
+    def capability(self) -> int:
+        return int(self.name[3:])
+
+
+ARCHS = {
+    "sm_80": ArchLimits("sm_80", "A100", shared_per_sm=164 * 1024, shared_per_block=163 * 1024,
+                        tensor_core_op="HMMA"),
+    "sm_90": ArchLimits("sm_90", "H100", shared_per_sm=228 * 1024, shared_per_block=227 * 1024,
+                        tensor_core_op="HGMMA"),
+}
+DTYPES = ("fp16", "bf16", "fp32")
+KERNELS = ("flash", "paged", "moe")
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    blocks_per_sm: int
+    fraction: float          # resident warps / the SM's maximum
+    limiter: str             # "warps", "registers", "shared memory", "blocks", or why it cannot launch
+
+
+def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> Occupancy:
+    """Theoretical occupancy of a block of ``num_warps`` warps using ``registers`` per thread
+    and ``shared_bytes`` of shared memory, against the limits of :data:`ARCHS` [arch]."""
+    lim = ARCHS[arch]
+    if registers > lim.max_registers_per_thread:
+        return Occupancy(0, 0.0, f"registers > {lim.max_registers_per_thread}")
+    if shared_bytes > lim.shared_per_block:
+        return Occupancy(0, 0.0, f"shared memory > {lim.shared_per_block // 1024} KiB")
+    per_warp = math.ceil(max(registers, 1) * 32 / lim.register_unit) * lim.register_unit
+    per_block_shared = math.ceil((shared_bytes + lim.shared_reserved_per_block) / lim.shared_unit) \
+        * lim.shared_unit
+    limits = {
+        "warps": lim.max_warps_per_sm // num_warps,
+        "registers": (lim.registers_per_sm // per_warp) // num_warps,
+        "shared memory": lim.shared_per_sm // per_block_shared,
+        "blocks": lim.max_blocks_per_sm,
+    }
+    limiter = min(limits, key=lambda k: limits[k])
+    blocks = limits[limiter]
+    return Occupancy(blocks, blocks * num_warps / lim.max_warps_per_sm, limiter)
+
+
+# -- what to build --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelSource:
+    """How to type one kernel's arguments for an ahead-of-time build."""
+
+    module: str                       # under llmlab.kernels
+    function: str
+    data_pointers: tuple[str, ...]    # tensors of the build's dtype
+    int_pointers: tuple[str, ...] = ()
+    floats: tuple[str, ...] = ()
+    unit_strides: tuple[str, ...] = ()   # 1 for contiguous inputs: the JIT makes them constants
+
+
+SOURCES = {
+    "flash": KernelSource("flash_attn", "_flash_fwd_kernel", ("Q", "K", "V", "O"),
+                          ("CU_Q", "CU_K", "K_START", "K_END"), ("qk_scale",)),
+    "paged": KernelSource("paged_attn", "_paged_attn_fwd", ("Q", "K", "V", "O"), ("BT", "SEQLENS"),
+                          ("sm_scale",)),
+    "moe": KernelSource("moe_gemm", "_grouped_gemm_kernel", ("x_ptr", "w_ptr", "y_ptr", "scale_ptr"),
+                        ("offsets_ptr", "tile_expert_ptr", "tile_row_ptr"), (),
+                        ("stride_xk", "stride_wk", "stride_yn")),
+}
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """One build: a kernel, its compile-time constants, launch shape, target and dtype."""
+
+    kernel: str
+    arch: str
+    dtype: str
+    constants: tuple[tuple[str, object], ...]   # the kernel's constexpr arguments
+    num_warps: int = 4
+    num_stages: int = 3
+    variant: str = ""                            # the mask / layout variant, for display
+
+    @property
+    def config(self) -> str:
+        """The tile, as a short label: e.g. "128x64 d128 w8 s3"."""
+        c = dict(self.constants)
+        if self.kernel == "moe":
+            tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+        elif self.kernel == "paged":
+            tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} kv{c['BLOCK_SIZE']} d{c['HEAD_DIM']}"
+        else:
+            tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['HEAD_DIM']}"
+        return f"{tile} w{self.num_warps} s{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class Build:
+    """What the compiler made of one :class:`BuildSpec`."""
+
+    kernel: str
+    variant: str
+    config: str
+    arch: str
+    dtype: str
+    num_warps: int
+    num_stages: int
+    registers: int               # per thread
+    spill_bytes: int             # stack per thread (spilled registers)
+    shared_bytes: int            # per block: Triton's dynamic shared memory + static
+    occupancy: float             # theoretical, 0..1
+    blocks_per_sm: int
+    occupancy_limiter: str
+    tensor_core_instructions: int   # HMMA + HGMMA in the SASS
+    tensor_core_ops: dict = field(default_factory=dict)   # {"HMMA": n, "HGMMA": n}
+    compile_seconds: float = 0.0
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_bytes > 0
+
+    @property
+    def fits_shared_memory(self) -> bool:
+        return self.shared_bytes <= ARCHS[self.arch].shared_per_block
+
+
+def _precision(dtype: str) -> str:
+    return "ieee" if dtype == "fp32" else "tf32"   # only float32 dots read it
+
+
+def flash_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64, block_m: int = 128,
+               block_n: int = 64, num_warps: int = 4, num_stages: int = 3, causal: bool = True,
+               varlen: bool = False, key_range: bool = False) -> BuildSpec:
+    """A build of the FlashAttention kernel (shapes in :mod:`llmlab.kernels.flash_attn`)."""
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                  VARLEN=varlen, HAS_K_RANGE=key_range, DOT_PRECISION=_precision(dtype),
+                  UPCAST=False)
+    variant = ("varlen" if varlen else "dense") + (" causal" if causal else "") + \
+        (" key-range" if key_range else "")
+    return BuildSpec("flash", arch, dtype, tuple(consts.items()), num_warps, num_stages, variant)
+
+
+def paged_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64, block_size: int = 16,
+               group: int = 3, block_m: int | None = None, block_n: int | None = None,
+               causal: bool = True, num_warps: int = 4, num_stages: int = 3) -> BuildSpec:
+    """A build of the paged-attention kernel; ``block_size`` is the KV pool's block size and
+    ``group`` the query heads per KV head (3 in SmolLM2); the tile defaults to the wrapper's."""
+    from . import paged_attn
+    consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                  BLOCK_M=block_m or paged_attn.BLOCK_M, BLOCK_N=block_n or paged_attn.BLOCK_N,
+                  CAUSAL=causal, PRECISION=_precision(dtype), UPCAST=False)
+    return BuildSpec("paged", arch, dtype, tuple(consts.items()), num_warps, num_stages,
+                     f"group {group}" + (" causal" if causal else ""))
+
+
+def moe_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 32, block_n: int = 64,
+             block_k: int = 32, num_warps: int = 4, num_stages: int = 3,
+             has_scale: bool = True) -> BuildSpec:
+    """A build of the grouped GEMM of MoE dispatch (layouts in :mod:`llmlab.kernels.moe_gemm`)."""
+    consts = dict(HAS_SCALE=has_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  PRECISION=_precision(dtype), UPCAST=False)
+    return BuildSpec("moe", arch, dtype, tuple(consts.items()), num_warps, num_stages,
+                     "scaled" if has_scale else "")
+
+
+PAGED_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES, full: bool = False) -> list[BuildSpec]:
+    """Every build of the report: each tile the wrappers and autotuners can pick.
+
+    Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
+    causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128; the
+    grouped GEMM at every tile of ``GPU_TILES`` (scaled output). ``full`` adds the other
+    mask and layout variants and head_dim 256.
+    """
+    from . import flash_attn, moe_gemm
+    for name, values, allowed in (("kernel", kernels, KERNELS), ("arch", archs, tuple(ARCHS)),
+                                  ("dtype", dtypes, DTYPES)):
+        bad = [x for x in values if x not in allowed]
+        if bad:
+            raise ValueError(f"unknown {name} {bad}; allowed: {list(allowed)}")
+    head_dims = (64, 128, 256) if full else (64, 128)
+    flash_variants = [dict(causal=True)]
+    if full:
+        flash_variants += [dict(causal=False), dict(causal=True, key_range=True),
+                           dict(causal=False, key_range=True), dict(causal=True, varlen=True),
+                           dict(causal=False, varlen=True)]
+    out: list[BuildSpec] = []
+    for arch in archs:
+        for dtype in dtypes:
+            if "flash" in kernels:
+                for d in head_dims:
+                    for bm, bn, w, s in flash_attn.tile_configs(arch, d, dtype):
+                        for var in flash_variants:
+                            out.append(flash_spec(arch, dtype, d, bm, bn, w, s, **var))
+            if "paged" in kernels:
+                for d in head_dims:
+                    for bs in PAGED_BLOCK_SIZES:
+                        for causal in ((True, False) if full else (True,)):
+                            out.append(paged_spec(arch, dtype, d, bs, causal=causal))
+            if "moe" in kernels:
+                for bm, bn, bk, w, s in moe_gemm.GPU_TILES:
+                    for scaled in ((True, False) if full else (True,)):
+                        out.append(moe_spec(arch, dtype, bm, bn, bk, w, s, has_scale=scaled))
+    return out
+
+
+# -- building -------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel_function(kernel: str):
+    src = SOURCES[kernel]
+    return getattr(importlib.import_module(f"{__package__}.{src.module}"), src.function)
+
+
+def _compilable_here() -> bool:
+    """False where Triton was set up for its interpreter: then the @triton.jit functions,
+    Triton's own library included, are interpreter wrappers that cannot be compiled."""
+    from triton.runtime.jit import JITFunction
+    return not _interpreting() and all(isinstance(_kernel_function(k), JITFunction)
+                                       for k in SOURCES)
+
+
+def _signature(spec: BuildSpec, fn):
+    src = SOURCES[spec.kernel]
+    consts = dict(spec.constants)
+    sig, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
+        elif name in src.unit_strides:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = 1
+        elif name in src.data_pointers:
+            sig[name], attrs[(i,)] = "*" + spec.dtype, aligned
+        elif name in src.int_pointers:
+            sig[name], attrs[(i,)] = "*i32", aligned
+        elif name in src.floats:
+            sig[name] = "fp32"
+        else:
+            # sizes and strides: the JIT marks values divisible by 16 so, as realistic
+            # shapes (head_dim 64 or 128) make every stride
+            sig[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = aligned
+    missing = set(consts) - set(fn.arg_names)
+    if missing:
+        raise ValueError(f"{spec.kernel} has no constexpr {sorted(missing)}")
+    return sig, constexprs, attrs
+
+
+def _tool(name: str) -> str:
+    import triton
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if path.exists():
+        return str(path)
+    from triton import knobs
+    return knobs.nvidia.cuobjdump.path if name == "cuobjdump" else name
+
+
+def _inspect_cubin(cubin: bytes) -> tuple[int, int, int, dict]:
+    """(registers, stack bytes, static shared bytes, {tensor-core opcode: count}) of a cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        cuobjdump = _tool("cuobjdump")
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(path)], check=True,
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], check=True, capture_output=True,
+                              text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"cannot read cuobjdump's resource usage:\n{usage}")
+    ops = {op: len(re.findall(rf"\b{op}\.", sass)) for op in ("HMMA", "HGMMA")}
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), ops
+
+
+def build(spec: BuildSpec) -> Build:
+    """Compile one spec to a cubin for its arch (no GPU needed) and read what it uses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch={spec.arch!r}; allowed: {list(ARCHS)}")
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype={spec.dtype!r}; allowed: {list(DTYPES)}")
+    if not _compilable_here():
+        return build_all([spec], jobs=1)[0]
+    fn = _kernel_function(spec.kernel)
+    sig, constexprs, attrs = _signature(spec, fn)
+    start = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", ARCHS[spec.arch].capability, 32),
+                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    regs, stack, static_shared, ops = _inspect_cubin(compiled.asm["cubin"])
+    seconds = time.perf_counter() - start
+    shared = compiled.metadata.shared + static_shared
+    occ = occupancy(spec.arch, regs, shared, spec.num_warps)
+    return Build(spec.kernel, spec.variant, spec.config, spec.arch, spec.dtype, spec.num_warps,
+                 spec.num_stages, regs, stack, shared, occ.fraction, occ.blocks_per_sm,
+                 occ.limiter, sum(ops.values()), ops, round(seconds, 2))
+
+
+def build_all(todo: list[BuildSpec], jobs: int | None = None) -> list[Build]:
+    """Build every spec, in order, on ``jobs`` processes (default: the CPU count).
+
+    In a process that interprets Triton kernels, the builds run in a child Python with
+    ``TRITON_INTERPRET=0`` (``python -m llmlab.kernels.report --stdin``).
+    """
+    if not todo:
+        return []
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    if not _compilable_here():
+        return _build_in_child(todo, jobs)
+    if jobs == 1:
+        return [build(s) for s in todo]
+    import multiprocessing
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(build, todo))
+
+
+def _spec_from_json(d: dict) -> BuildSpec:
+    return BuildSpec(d["kernel"], d["arch"], d["dtype"], tuple((k, v) for k, v in d["constants"]),
+                     d["num_warps"], d["num_stages"], d["variant"])
+
+
+def _build_in_child(todo: list[BuildSpec], jobs: int) -> list[Build]:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    payload = "\n".join(json.dumps(asdict(s)) for s in todo)
+    res = subprocess.run([sys.executable, "-m", f"{__package__}.report", "--stdin", "--json",
+                          "--jobs", str(jobs)], input=payload, env=env, capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"the ahead-of-time build failed:\n{res.stderr[-4000:]}")
+    return [Build(**json.loads(line)) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+# -- checks and printing -----------------------------------------------------------------
+
+def problems(builds: list[Build]) -> list[str]:
+    """What is wrong with these builds: spills, shared memory over the arch's per-block
+    limit, and float16/bfloat16 builds without tensor-core instructions."""
+    out = []
+    for b in builds:
+        where = f"{b.kernel} {b.variant} {b.config} {b.arch} {b.dtype}"
+        if b.spills:
+            out.append(f"{where}: spills {b.spill_bytes} bytes per thread ({b.registers} registers)")
+        if not b.fits_shared_memory:
+            out.append(f"{where}: {b.shared_bytes} bytes of shared memory, over "
+                       f"{ARCHS[b.arch].shared_per_block} per block")
+        if b.dtype != "fp32" and b.tensor_core_instructions == 0:
+            out.append(f"{where}: no tensor-core instruction in the SASS")
+    return out
+
+
+def summary(builds: list[Build]) -> list[dict]:
+    """Per kernel: builds, spill-free builds, and half-precision builds using tensor cores."""
+    rows = []
+    for kernel in dict.fromkeys(b.kernel for b in builds):
+        mine = [b for b in builds if b.kernel == kernel]
+        half = [b for b in mine if b.dtype != "fp32"]
+        rows.append({"kernel": kernel, "builds": len(mine),
+                     "spill_free": sum(not b.spills for b in mine),
+                     "fit_shared": sum(b.fits_shared_memory for b in mine),
+                     "fp16/bf16 with tensor cores": f"{sum(b.tensor_core_instructions > 0 for b in half)}"
+                                                   f"/{len(half)}"})
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    cells = [keys] + [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def table(builds: list[Build]) -> str:
+    """The builds as an aligned text table."""
+    rows = [{"kernel": b.kernel, "variant": b.variant, "config": b.config, "arch": b.arch,
+             "dtype": b.dtype, "regs": b.registers, "spill B": b.spill_bytes,
+             "smem KiB": f"{b.shared_bytes / 1024:.0f}", "occupancy": f"{b.occupancy:.0%}",
+             "blocks/SM": b.blocks_per_sm, "limit": b.occupancy_limiter,
+             "tensor-core instr": (" ".join(f"{k} {v}" for k, v in b.tensor_core_ops.items() if v)
+                                   or "0")}
+            for b in builds]
+    return _table(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmlab.kernels.report", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    p.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--full", action="store_true", help="every mask/layout variant and head_dim 256")
+    p.add_argument("--json", action="store_true", help="one JSON object per build, one per line")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if a build spills, overflows shared memory or (fp16/bf16) "
+                        "has no tensor-core instruction")
+    p.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
+    p.add_argument("--stdin", action="store_true", help=argparse.SUPPRESS)  # specs as JSON lines
+    args = p.parse_args(argv)
+    if args.stdin:
+        todo = [_spec_from_json(json.loads(line)) for line in sys.stdin if line.strip()]
+    else:
+        todo = specs(args.kernel, args.arch, args.dtype, args.full)
+    start = time.perf_counter()
+    builds = build_all(todo, args.jobs)
+    if args.json:
+        for b in builds:
+            print(json.dumps(asdict(b)))
+    else:
+        import triton
+        print(f"Triton {triton.__version__}: {len(builds)} builds in "
+              f"{time.perf_counter() - start:.0f} s (no GPU used; limits in "
+              f"llmlab.kernels.report.ArchLimits)\n")
+        print(table(builds))
+        print()
+        print(_table(summary(builds)))
+    bad = problems(builds)
+    if args.check and bad:
+        print(f"\n{len(bad)} problem(s):", *bad, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
