@@ -25,9 +25,42 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "float64": torch.float64}
 
 
+_pinned_device: torch.device | None = None
+
+
 def default_device() -> torch.device:
-    """CUDA if present, else CPU."""
+    """What ``device=None`` means everywhere in llmlab: the device pinned with
+    :func:`set_default_device`, else CUDA if present, else CPU."""
+    if _pinned_device is not None:
+        return _pinned_device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def set_default_device(device: str | torch.device | None) -> None:
+    """Pin what ``device=None`` means in this process; None goes back to the automatic choice.
+
+    On a GPU machine, ``set_default_device("cpu")`` runs the workbook on the CPU (to compare
+    the two, or to keep tensors built on the CPU and models on one device, as the test
+    suite does). Triton kernels still compile for the GPU there: give them CUDA tensors.
+    """
+    global _pinned_device
+    _pinned_device = None if device is None else resolve_device(device)
+
+
+def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """The dtype models load in on ``device`` (None: :func:`default_device`).
+
+    float32 on a CPU (bfloat16 arithmetic is emulated or slow on most CPUs, and float32
+    keeps the parity checks exact); on a GPU bfloat16, whose dots run on the tensor
+    cores and whose range is float32's, so activations do not overflow. A GPU older than
+    Ampere (sm_80) has no bfloat16 tensor cores: float16 there.
+    """
+    dev = default_device() if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return torch.float32
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(dev) < (8, 0):
+        return torch.float16
+    return torch.bfloat16
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -42,7 +75,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None,
+                  device: str | torch.device | None = None) -> torch.dtype:
+    """``dtype`` as a torch.dtype; None means :func:`default_dtype` of ``device``."""
+    if dtype is None:
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype={dtype} is not supported; allowed: {sorted(_DTYPES)}")

@@ -369,12 +369,12 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny, tiny_tok):
     llm = make_llm(tiny, tiny_tok)
     vocab = tiny.config.vocab_size
     ok = token_lists([5], seed=3)[0]
-    with pytest.raises(ValueError, match=f"prompt 1: token id {vocab} is outside the "
-                                         f"vocabulary of {vocab} tokens"):
+    with pytest.raises(ValueError, match=f"prompt 1: token id {vocab} at position 1 is out of "
+                                         f"range for a vocabulary of {vocab} tokens"):
         llm.generate([ok, [5, vocab]], GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="token id -1 is outside"):
+    with pytest.raises(ValueError, match="token id -1 at position 0 is out of range"):
         llm.generate({"prompt_token_ids": [-1, 4]}, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="token id 2.5 is not an integer"):
+    with pytest.raises(ValueError, match="token id 2.5 at position 1 is not an int"):
         llm.generate({"prompt_token_ids": [3, 2.5]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=f"allowed: 0..{vocab - 1}"):
         llm.engine.add_request([1, 10**6], GREEDY)

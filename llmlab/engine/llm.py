@@ -32,6 +32,7 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from .runner import ModelRunner, choose_paged_attention
+from ..prompts import check_token_ids
 from ..sampling import sample_rows
 from ..stopping import finish_reason
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -170,20 +171,10 @@ class LLMEngine:
 
     def check_token_ids(self, ids: Seq[int]) -> list[int]:
         """The prompt as a list of ints; ValueError naming the first id that is not an
-        integer in ``0 .. vocab_size - 1``."""
-        vocab = self.model.config.vocab_size
-        out = []
-        for t in ids:
-            try:
-                t = operator.index(t)
-            except TypeError:
-                raise ValueError(f"token id {t!r} is not an integer; token ids are ints in "
-                                 f"0..{vocab - 1} (the vocabulary has {vocab} tokens)") from None
-            if not 0 <= t < vocab:
-                raise ValueError(f"token id {t} is outside the vocabulary of {vocab} tokens "
-                                 f"(allowed: 0..{vocab - 1})")
-            out.append(t)
-        return out
+        integer in ``0 .. vocab_size - 1`` (the one check :mod:`llmlab.prompts` defines)."""
+        ids = list(ids)
+        check_token_ids(ids, self.model.config.vocab_size)
+        return [operator.index(t) for t in ids]
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> Request:

@@ -537,6 +537,6 @@ if has_triton():
                                         solution_inner_loop, wrong_inner_loops)
 
     exercise("nb03.flash_triton_inner_loop", notebook=NB, kind="build", stretch=True,
-             title="stretch: the online-softmax inner loop of a Triton FlashAttention kernel",
+             title="the online-softmax inner loop of a Triton FlashAttention kernel",
              solution=solution_inner_loop,
              wrong_variants=wrong_inner_loops())(_check_inner_loop)

@@ -59,11 +59,13 @@ def to_llmlab_names(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def load_model(name_or_path: str, attention: str = "naive", device=None,
-               dtype: str | torch.dtype = torch.float32, **derived_options) -> CausalLM:
+               dtype: str | torch.dtype | None = None, **derived_options) -> CausalLM:
     """Load a registered model (``smollm2-135m``, ``tiny-llama``, ...) or a HF-layout folder.
 
     Returns a :class:`CausalLM` in eval mode on ``device`` (default: CUDA if present),
-    with the attention backend ``attention`` (see ``llmlab.attention.available()``).
+    in ``dtype`` (default: :func:`llmlab.device.default_dtype` of the device, bfloat16 on
+    a GPU and float32 on a CPU), with the attention backend ``attention`` (see
+    ``llmlab.attention.available()``).
     Derived models (``smollm2-135m-moe8``) are built from their base model at load time;
     ``derived_options`` go to their builder (for the upcycled MoE: ``router_seed``,
     ``expert_noise``, ``noise_seed``; see :func:`llmlab.models.upcycle.upcycle`).
@@ -78,7 +80,8 @@ def load_model(name_or_path: str, attention: str = "naive", device=None,
     if derived_options:
         raise ValueError(f"options {sorted(derived_options)} apply only to derived models "
                          f"{[n for n, s in registry.MODELS.items() if s.kind == 'derived']}")
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     path = resolve(name_or_path)
     config = ModelConfig.from_file(path)
     model = empty_model(config, attention)
@@ -94,7 +97,7 @@ def load_model(name_or_path: str, attention: str = "naive", device=None,
 
 
 def load_upcycled(name: str, attention: str = "naive", device=None,
-                  dtype: str | torch.dtype = torch.float32, router_seed: int = 0,
+                  dtype: str | torch.dtype | None = None, router_seed: int = 0,
                   expert_noise: float = 0.0, noise_seed: int = 0) -> CausalLM:
     """Build a registered upcycled model (``smollm2-135m-moe8``) from its base model's files
     (see :func:`llmlab.models.upcycle.upcycle`)."""

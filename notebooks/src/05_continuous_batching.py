@@ -222,18 +222,20 @@ for policy in ("continuous", "static"):
 # %% [markdown]
 # ## Measure: HF transformers vs llmlab static vs llmlab continuous
 #
-# A slice of the trace on SmolLM2-135M, three ways, all requests arriving at t = 0, greedy, each
-# request generating exactly its `output_tokens` (EOS ignored, as serving benchmarks do):
+# A slice of the trace on SmolLM2-135M, all requests arriving at t = 0, greedy, each request
+# generating exactly its `output_tokens` (EOS ignored, as serving benchmarks do), four ways:
 #
 # 1. HF transformers `generate` in padded static batches (left padding, `max_new_tokens` = the
 #    batch's longest request: what a padded static batch costs);
 # 2. llmlab `scheduler="static"`: the same batches over the paged cache;
-# 3. llmlab `scheduler="continuous"`.
+# 3. llmlab `scheduler="continuous"`;
+# 4. the same with chunked prefill (below).
 #
-# The first 8 requests, 4 seats, every output length scaled by 1/5 (their spread, which is what
-# static batching pays for, is kept), so one round takes seconds. Five rounds, the three systems
-# interleaved in each, after a warm-up; the bars are medians, the whiskers min–max.
-# `python -m llmlab.bench serve` runs all 80 requests at full length.
+# The first 8 requests, 4 seats, every output length scaled by 1/10 (their spread, which is what
+# static batching pays for, is kept) so that one round takes a few seconds; the prefix cache is
+# off, so every round computes the same work. Five rounds with the systems interleaved, after a
+# warm-up; the bars are medians, the whiskers min–max. `python -m llmlab.bench serve` runs all 80
+# requests at full length.
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -245,28 +247,31 @@ from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
 N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (8, 4, 5)
-part = load_trace(TRACE, N, tokenizer=tok, output_scale=0.2)
+part = load_trace(TRACE, N, tokenizer=tok, output_scale=0.1)
 hf = AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")), dtype=torch.float32).eval()
-engines = {p: LLM(model, tok, scheduler=p, max_num_seqs=SEATS, num_blocks=128)
-           for p in ("static", "continuous")}
-systems = {"HF transformers (padded static)": lambda: run_hf(hf, tok, part, SEATS),
-           "llmlab static": lambda: run_llmlab(engines["static"], part),
-           "llmlab continuous": lambda: run_llmlab(engines["continuous"], part)}
+engine_args = dict(max_num_seqs=SEATS, num_blocks=128, enable_prefix_caching=False)
+engines = {"llmlab static": LLM(model, tok, scheduler="static", **engine_args),
+           "llmlab continuous": LLM(model, tok, **engine_args),
+           "llmlab continuous, chunked prefill": LLM(model, tok, enable_chunked_prefill=True,
+                                                     max_num_batched_tokens=64, **engine_args)}
+systems = {"HF transformers (padded static)": lambda: run_hf(hf, tok, part, SEATS)}
+systems.update({name: (lambda e=e: run_llmlab(e, part)) for name, e in engines.items()})
 for run in systems.values():          # warm-up
     run()
 rounds = {name: [] for name in systems}
 for _ in range(ROUNDS):
     for name, run in systems.items():
         rounds[name].append(run())
-tps = {k: [summarize(r["metrics"], r["wall_s"])["tokens_per_s"] for r in v] for k, v in rounds.items()}
-fig = plot_rounds(tps, "generated tokens/s", title=f"SmolLM2-135M, {N} requests, {SEATS} seats, "
-                  f"{ROUNDS} rounds ({device_name()})")
+summaries = {k: [summarize(r["metrics"], r["wall_s"]) for r in v] for k, v in rounds.items()}
+tps = {k: [s["tokens_per_s"] for s in v] for k, v in summaries.items()}
 med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-for k, v in tps.items():
-    print(f"{k:32s} {med[k]:6.1f} tok/s (min {min(v):.1f}, max {max(v):.1f})")
-hf_tps = med["HF transformers (padded static)"]
-print(f"medians: continuous / HF {med['llmlab continuous'] / hf_tps:.2f}×, "
-      f"static / HF {med['llmlab static'] / hf_tps:.2f}× ({device_name()})")
+HF, STATIC, CONT, CHUNK = systems
+fig = plot_rounds({k: tps[k] for k in (HF, STATIC, CONT)}, "generated tokens/s",
+                  title=f"SmolLM2-135M, {N} requests, {SEATS} seats ({device_name()})")
+for k in (HF, STATIC, CONT):
+    print(f"{k:32s} {med[k]:6.1f} tok/s (min {min(tps[k]):.1f}, max {max(tps[k]):.1f})")
+print(f"medians: continuous / HF {med[CONT] / med[HF]:.2f}×, static / HF {med[STATIC] / med[HF]:.2f}× "
+      f"({device_name()})")
 
 # %% [markdown]
 # ### The padding that packing saves, counted in tokens
@@ -274,11 +279,11 @@ print(f"medians: continuous / HF {med['llmlab continuous'] / hf_tps:.2f}×, "
 # %%
 # NBVAL_CHECK_OUTPUT
 last = {name: v[-1] for name, v in rounds.items()}
-for name in ("llmlab static", "llmlab continuous"):
+for name in (STATIC, CONT):
     s = last[name]["stats"]
     print(f"{name:18s}: {s.computed_tokens} token positions computed for {s.real_tokens} real "
           f"tokens -> {s.padding_tokens} pads, {len(s.steps)} iterations")
-print(f"HF padded static  : {last['HF transformers (padded static)']['positions']} token positions "
+print(f"HF padded static  : {last[HF]['positions']} token positions "
       "(padded prompts, and rows whose request is already done keep decoding)")
 
 # %% [markdown]
@@ -289,14 +294,12 @@ print(f"HF padded static  : {last['HF transformers (padded static)']['positions'
 # takes. Divide the measured speedup by the work ratio and what is left is the second factor.
 
 # %%
-CONT = "llmlab continuous"
-for name in systems:
-    if name != CONT:
-        work = last[name]["positions"] / last[CONT]["positions"]
-        speed = med[CONT] / med[name]
-        print(f"{name:32s} {last[name]['positions']:5d} positions = {work:.2f}× continuous's "
-              f"{last[CONT]['positions']}; measured {speed:.2f}× faster -> continuous spends "
-              f"{work / speed:.2f}× the time per position")
+for name in (HF, STATIC):
+    work = last[name]["positions"] / last[CONT]["positions"]
+    speed = med[CONT] / med[name]
+    print(f"{name:32s} {last[name]['positions']:5d} positions = {work:.2f}× continuous's "
+          f"{last[CONT]['positions']}; measured {speed:.2f}× faster -> continuous spends "
+          f"{work / speed:.2f}× the time per position")
 
 # %% [markdown]
 # On a CPU the speedup follows the work ratio, because the matrix multiplies are most of the cost
@@ -315,28 +318,26 @@ for name in systems:
 # it: that wait is part of their TPOT. With `enable_chunked_prefill=True` the token budget
 # `max_num_batched_tokens` becomes a hard cap per step: decodes go first, and a prompt is fed in
 # chunks of whatever budget is left, over several steps (Agrawal et al.: Sarathi, 2023, and
-# Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). The same requests, the same
-# tokens, with a budget of 64 tokens per step (one run each):
+# Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). System 4 above is the same
+# requests with a budget of 64 tokens per step:
 
 # %%
 from llmlab.viz.serving import plot_step_times
 
-chunked_llm = LLM(model, tok, max_num_seqs=SEATS, num_blocks=128, enable_chunked_prefill=True,
-                  max_num_batched_tokens=64)
-chunked = run_llmlab(chunked_llm, part)
-for name, r in ((CONT, last[CONT]), ("llmlab continuous, chunked prefill", chunked)):
-    s = summarize(r["metrics"], r["wall_s"])
-    longest = max(x.end_s - x.start_s for x in r["stats"].steps)
-    print(f"{name:36s} {s['tokens_per_s']:6.1f} tok/s   longest step {longest * 1e3:5.0f} ms   "
-          f"TPOT p90 {s['tpot_p90_s'] * 1e3:4.0f} ms   TTFT mean {s['ttft_mean_s']:5.2f} s")
-print("same tokens as without chunks:", chunked["tokens"] == last[CONT]["tokens"])
+for name in (CONT, CHUNK):
+    tpot = sorted(s["tpot_p90_s"] for s in summaries[name])[ROUNDS // 2]
+    ttft = sorted(s["ttft_mean_s"] for s in summaries[name])[ROUNDS // 2]
+    biggest = max(r.prefill_tokens + r.decode_tokens for r in last[name]["stats"].steps)
+    print(f"{name:36s} {med[name]:6.1f} tok/s   TPOT p90 {tpot * 1e3:4.0f} ms   TTFT mean "
+          f"{ttft:5.2f} s   largest step {biggest} tokens   (medians of {ROUNDS} rounds)")
+print("same tokens as without chunks:", last[CHUNK]["tokens"] == last[CONT]["tokens"])
 fig = plot_step_times({"continuous": last[CONT]["stats"],
-                       "chunked prefill, 64 tokens/step": chunked["stats"]},
-                      title=f"SmolLM2-135M, {N} requests, {SEATS} seats ({device_name()})")
+                       "chunked prefill, 64 tokens/step": last[CHUNK]["stats"]},
+                      title=f"SmolLM2-135M, {N} requests, {SEATS} seats, last round ({device_name()})")
 
 # %% [markdown]
 # The long steps become more, shorter ones: no decoding request waits for a whole long prompt any
-# more. Now compare the throughput and the TPOT of the two runs.
+# more. Now compare the throughput and the TPOT of the two.
 #
 # ### Exercise 5 (explain): chunks on a CPU
 #
@@ -371,12 +372,12 @@ exercises.check("nb05.explain_chunking", my_choice)
 # %%
 from llmlab.viz.serving import arrival_sweep, plot_throughput_latency
 
-sweep_n = 12 if QUICK else 16
+sweep_n = 8 if QUICK else 12
 sweep = trace[:sweep_n]
-rates = [40, 640] if QUICK else [40, 160, 640, 2560]
+rates = [40, 2560] if QUICK else [40, 320, 2560]
 llms = {p: LLM(tiny, tok, scheduler=p, max_num_seqs=4, num_blocks=256) for p in ("static", "continuous")}
 rows = arrival_sweep(llms, [r.prompt_token_ids for r in sweep],
-                     [min(r.output_tokens, 48) for r in sweep],
+                     [min(r.output_tokens, 16) for r in sweep],
                      [r.arrival_s for r in sweep], rates, repeats=5)
 fig = plot_throughput_latency(rows, title=f"tiny-llama, {sweep_n} requests, 4 seats ({device_name()})")
 for r in rows:
