@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test bench notebooks gpu-check clean
+.PHONY: setup lab test bench notebooks gpu-check gpu-compile clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -57,13 +57,20 @@ bench: setup
 notebooks: setup
 	$(BIN)/python notebooks/build.py
 
-# On a CUDA machine: the gpu-marked tests and the GPU benchmarks, results under results/gpu.
+# On a CUDA machine: the gpu-marked tests, every benchmark's --gpu mode and every notebook
+# (nbval, on cuda), in one script that exits non-zero when any of them fails or the
+# 8-minute budget runs out; logs and summary.json (machine, date, versions) in results/gpu.
 gpu-check: setup
-	@mkdir -p results/gpu
-	LLMLAB_RESULTS=results/gpu timeout 480 sh -c '\
-	  $(BIN)/python -m pytest -m gpu -q tests | tee results/gpu/tests.txt; \
-	  for b in $$($(BIN)/python -c "from llmlab.bench.__main__ import names; print(*names())"); do \
-	    $(BIN)/python -m llmlab.bench $$b --gpu | tee -a results/gpu/bench.txt; done'
+	$(BIN)/python -m llmlab.bench._gpu_check --out results/gpu --budget 480
+
+# On any machine, no GPU needed: every Triton kernel built for sm_80 and sm_90 in every
+# config, mask variant and dtype; fails if a build spills registers, overflows shared memory
+# or (fp16/bf16) has no tensor-core instruction. `make test` builds a subset.
+gpu-compile: setup
+	@mkdir -p results/compile
+	LLMLAB_COMPILE=full $(BIN)/python -m pytest -q tests/test_kernel_compile.py
+	$(BIN)/python -m llmlab.kernels.report --full --check > results/compile/report.txt
+	@cat results/compile/report.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info results

@@ -1,0 +1,10 @@
+"""Triton kernels, imported as ``llmlab.kernels`` (never as a top-level ``kernels``).
+
+    flash_attn   FlashAttention-2 style forward, dense and varlen (notebook 03)
+    paged_attn   attention over a paged KV pool through a block table (notebook 04)
+    moe_gemm     grouped GEMM for MoE dispatch, one GEMM per expert (notebook 06)
+    report       every kernel built for A100/H100 without a GPU: registers, spills,
+                 shared memory, occupancy, tensor-core instructions
+
+Kept free of imports, so that importing a sibling module stays cheap.
+"""

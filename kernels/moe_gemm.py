@@ -106,9 +106,20 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, offsets_ptr, tile_exper
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) that build without register
 # spills for A100 and H100 (python -m llmlab.kernels.report --kernel moe); the first is the
-# wrapper's default.
-GPU_TILES = [(32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
+# wrapper's default. float32 dots run without tensor cores and hold more in registers, so
+# its large tile has a shorter K step and 8 warps.
+GPU_TILES = {
+    "half": [(32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 4, 4), (128, 128, 64, 8, 3)],
+    "fp32": [(32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 8, 3)],
+}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def gpu_tiles(dtype: str) -> list[tuple[int, int, int, int, int]]:
+    """The tiles of :data:`GPU_TILES` for ``dtype`` "fp16", "bf16" or "fp32"."""
+    if dtype not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}; allowed: 'fp16', 'bf16', 'fp32'")
+    return list(GPU_TILES["fp32" if dtype == "fp32" else "half"])
 
 
 def _interpreted() -> bool:

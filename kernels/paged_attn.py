@@ -121,8 +121,17 @@ def _paged_attn_fwd(
 
 
 BLOCK_M = 16   # packed query rows per tile: tl.dot's minimum; a decode step has `group` rows
-BLOCK_N = 64   # keys per step of the loop
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) the wrapper uses: 64 keys per step in float16/bfloat16; in float32,
+    whose dots run without tensor cores and hold their operands in registers, 32 keys (16
+    past head_dim 128), so that no build spills registers (``python -m
+    llmlab.kernels.report --kernel paged`` shows each build)."""
+    if dtype != torch.float32:
+        return BLOCK_M, 64
+    return BLOCK_M, (32 if head_dim <= 128 else 16)
 
 
 def _interpreted() -> bool:
@@ -136,16 +145,20 @@ def _power_of_two(n) -> bool:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cache_seqlens: torch.Tensor, block_table: torch.Tensor,
                     softmax_scale: float | None = None, causal: bool = True,
-                    block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
+                    block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Attention of ``q`` over a paged K/V pool; shapes in the module docstring.
 
     Shapes and lengths are assumed validated by
     :func:`llmlab.attention.paged.check_paged_args`; this checks what the compiled kernel
     needs beyond them (the interpreter would forgive it): one dtype for q and the pool,
     tiles and KV block size that are powers of two (tiles >= 16, for ``tl.dot``).
+    ``block_m``/``block_n`` default to :func:`default_tile`.
     """
     batch, seq_q, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    tile_m, tile_n = default_tile(q.dtype, head_dim)
+    block_m = tile_m if block_m is None else block_m
+    block_n = tile_n if block_n is None else block_n
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Triton kernel")
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:

@@ -14,7 +14,7 @@ occupancy, and the count of tensor-core instructions in the SASS (``HMMA``: warp
 The builds are the tiles the wrappers and autotuners can pick: every autotune config of
 ``flash_attn`` (:func:`llmlab.kernels.flash_attn.tile_configs`) at head_dim 64 and 128,
 the paged-attention kernel at each KV block size, and the grouped GEMM at each tile of
-:data:`llmlab.kernels.moe_gemm.GPU_TILES`, in float16, bfloat16 and float32. ``--full``
+:func:`llmlab.kernels.moe_gemm.gpu_tiles`, in float16, bfloat16 and float32. ``--full``
 adds every mask variant (causal or not, key range, varlen) and head_dim 256.
 
 In a process where Triton was set up for its interpreter (``TRITON_INTERPRET=1``, as
@@ -212,9 +212,13 @@ def paged_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64, blo
                causal: bool = True, num_warps: int = 4, num_stages: int = 3) -> BuildSpec:
     """A build of the paged-attention kernel; ``block_size`` is the KV pool's block size and
     ``group`` the query heads per KV head (3 in SmolLM2); the tile defaults to the wrapper's."""
+    import torch
+
     from . import paged_attn
+    tile = paged_attn.default_tile({"fp16": torch.float16, "bf16": torch.bfloat16,
+                                    "fp32": torch.float32}[dtype], head_dim)
     consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                  BLOCK_M=block_m or paged_attn.BLOCK_M, BLOCK_N=block_n or paged_attn.BLOCK_N,
+                  BLOCK_M=block_m or tile[0], BLOCK_N=block_n or tile[1],
                   CAUSAL=causal, PRECISION=_precision(dtype), UPCAST=False)
     return BuildSpec("paged", arch, dtype, tuple(consts.items()), num_warps, num_stages,
                      f"group {group}" + (" causal" if causal else ""))
@@ -238,7 +242,7 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES, full: bool = False
 
     Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
     causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128; the
-    grouped GEMM at every tile of ``GPU_TILES`` (scaled output). ``full`` adds the other
+    grouped GEMM at every tile of ``gpu_tiles`` (scaled output). ``full`` adds the other
     mask and layout variants and head_dim 256.
     """
     from . import flash_attn, moe_gemm
@@ -267,7 +271,7 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES, full: bool = False
                         for causal in ((True, False) if full else (True,)):
                             out.append(paged_spec(arch, dtype, d, bs, causal=causal))
             if "moe" in kernels:
-                for bm, bn, bk, w, s in moe_gemm.GPU_TILES:
+                for bm, bn, bk, w, s in moe_gemm.gpu_tiles(dtype):
                     for scaled in ((True, False) if full else (True,)):
                         out.append(moe_spec(arch, dtype, bm, bn, bk, w, s, has_scale=scaled))
     return out

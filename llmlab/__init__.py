@@ -12,7 +12,8 @@ from .config import ModelConfig
 from .engine import LLM, SamplingParams
 from .generate import Generation, generate
 from .models import load_model, load_tokenizer
+from .quant import quantize
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "load_model", "load_tokenizer", "generate", "Generation", "LLM",
-           "SamplingParams"]
+           "SamplingParams", "quantize"]

@@ -9,6 +9,8 @@ from llmlab.cache.packed import PackedPagedCache
 from llmlab.cache.paged import PagedKVCache
 from llmlab.engine import LLM, SamplingParams
 
+from .conftest import on_kernel_device
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
@@ -120,14 +122,15 @@ def test_paged_backends_serve_decodes_and_chunks(tiny, tiny_tok, paged_attention
     """The engine's GPU default reads the pool through the paged kernels (interpreted
     here): decodes in two length groups, and a prompt continued chunk by chunk."""
     ids = prompts_of([9, 3, 6], seed=7)
-    llm = LLM(tiny, tiny_tok, max_num_seqs=3, block_size=4, num_blocks=32,
+    model = on_kernel_device(tiny) if paged_attention == "paged_triton" else tiny
+    llm = LLM(model, tiny_tok, max_num_seqs=3, block_size=4, num_blocks=32,
               max_num_batched_tokens=5, enable_chunked_prefill=True,
               paged_attention=paged_attention)
     llm.engine.runner.packed.decode_group = 2
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                         use_tqdm=False)
     for p, o in zip(ids, outs):
-        assert o.outputs[0].token_ids == alone(tiny, tiny_tok, p, 3)
+        assert o.outputs[0].token_ids == alone(model, tiny_tok, p, 3)
 
 
 def test_chunked_prefill_caps_every_step_and_changes_no_token(tiny, tiny_tok):
@@ -287,17 +290,19 @@ def test_explore_batching_shows_preemptions_and_finishes_everything(capsys):
     assert grid.shape == (3, len(static.stats.steps)) and (grid == -2).any()   # held seats
 
 
-def test_exercise_checks_reject_wrong_and_accept_right(capsys):
-    from llmlab.exercises.nb05 import check_cu_seqlens, check_padding, check_static_steps
+def test_exercise_checks_reject_wrong_and_accept_right():
+    from llmlab import exercises
 
-    assert not check_padding(..., [3, 5])
-    assert not check_padding(7, [3, 5]) and check_padding(2, [3, 5])
-    assert not check_cu_seqlens(lambda lens: None)
-    assert not check_cu_seqlens(lambda lens: [0] + lens)
-    assert not check_cu_seqlens(lambda lens: 1 / 0)
-    assert check_cu_seqlens(lambda lens: torch.tensor([0] + lens).cumsum(0).int())
-    assert not check_static_steps(None, [5, 60, 8, 12, 90], 2)
-    assert not check_static_steps(173, [5, 60, 8, 12, 90], 2)
-    assert check_static_steps(60 + 12 + 90, [5, 60, 8, 12, 90], 2)
-    out = capsys.readouterr().out
-    assert out.count("✅") == 3 and out.count("❌") == 7
+    check = exercises.check
+    assert not check("nb05.padding", ...).passed
+    assert not check("nb05.padding", 7, prompt_lengths=[3, 5]).passed
+    assert check("nb05.padding", 2, prompt_lengths=[3, 5]).passed
+    assert not check("nb05.cu_seqlens", lambda lens: None).passed
+    assert not check("nb05.cu_seqlens", lambda lens: [0] + lens).passed
+    assert "ZeroDivisionError" in check("nb05.cu_seqlens", lambda lens: 1 / 0).message
+    assert check("nb05.cu_seqlens", lambda lens: torch.tensor([0] + lens).cumsum(0).int()).passed
+    assert not check("nb05.static_steps", None).passed
+    assert not check("nb05.static_steps", 173, output_lengths=[5, 60, 8, 12, 90],
+                     batch_size=2).passed
+    assert check("nb05.static_steps", 60 + 12 + 90, output_lengths=[5, 60, 8, 12, 90],
+                 batch_size=2).passed

@@ -3,16 +3,14 @@
 Without CUDA the kernel runs in the Triton interpreter, so these sizes are small; the
 tests marked ``gpu`` run it compiled at realistic sizes.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import llmlab
 import llmlab.attention as A
 from llmlab.kernels.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+from .conftest import on_kernel_device, tolerance
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # interpreter on CPU, compiled on CUDA
 
@@ -120,6 +118,36 @@ def test_bad_inputs_are_refused_clearly():
         flash_attn_func(q, k, v, block_m=48, block_n=16)
 
 
+def test_negative_key_start_and_short_max_seqlen_q_are_refused():
+    q, k, v = qkv(2, 8, 8, 2, 1, 16)
+    start = torch.tensor([0, -1], dtype=torch.int32)
+    end = torch.tensor([8, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"key_start=\[0, -1\] has a negative entry"):
+        flash_attn_func(q, k, v, key_start=start, key_end=end)
+    qv, kv, vv = q.reshape(16, 2, 16), k.reshape(16, 1, 16), v.reshape(16, 1, 16)
+    cu = torch.tensor([0, 3, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=12 is smaller than the longest query "
+                                         r"sequence in cu_seqlens_q \(13\)"):
+        flash_attn_varlen_func(qv, kv, vv, cu, cu, 12, 13)
+    out = flash_attn_varlen_func(qv, kv, vv, cu, cu, 13, 13, block_m=16, block_n=16)
+    ref = A.naive_attention(qv[None, 3:], kv[None, 3:], vv[None, 3:])[0]
+    assert rel_err(out[None, 3:], ref[None]) <= 2e-6
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 4), (4, 2)])
+def test_strided_queries_in_any_layout(h, kvh):
+    # q as a transposed view [b, h, s, d] -> [b, s, h, d]: the packed rows the kernel reads
+    # are a view for one query head per KV head, and a copy otherwise
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, h, 19, 32, generator=g).to(DEV).transpose(1, 2)
+    k = torch.randn(2, 19, kvh, 32, generator=g).to(DEV)
+    v = torch.randn(2, 19, kvh, 32, generator=g).to(DEV)
+    assert not q.is_contiguous()
+    out = flash_attn_func(q, k, v, causal=True, block_m=16, block_n=16)
+    assert out.is_contiguous() and out.shape == q.shape
+    assert rel_err(out, A.naive_attention(q, k, v, causal=True)) <= 2e-6
+
+
 def test_float64_through_the_backend_runs_in_float32():
     q, k, v = qkv(1, 17, 17, 2, 1, 16, dtype=torch.float64, seed=8)
     out = A.get("flash_triton").forward(q, k, v)
@@ -129,13 +157,14 @@ def test_float64_through_the_backend_runs_in_float32():
 
 def test_model_with_flash_triton_gives_the_same_greedy_tokens(smollm2, tokenizer):
     prompt = "The capital of France is"
+    model = on_kernel_device(smollm2)
     try:
-        ref = llmlab.generate(smollm2.set_attention("naive"), tokenizer, prompt,
+        ref = llmlab.generate(model.set_attention("naive"), tokenizer, prompt,
                               max_new_tokens=3, chat=False)
-        got = llmlab.generate(smollm2.set_attention("flash_triton"), tokenizer, prompt,
+        got = llmlab.generate(model.set_attention("flash_triton"), tokenizer, prompt,
                               max_new_tokens=3, chat=False)
     finally:
-        smollm2.set_attention("naive")
+        model.set_attention("naive")
     assert got.token_ids == ref.token_ids
 
 
@@ -149,7 +178,7 @@ def test_gpu_matches_sdpa(d, dtype, causal):
     q, k, v = qkv(2, 2047, 2047, 8, 8, d, dtype=dtype, device="cuda", seed=d)
     out = flash_attn_func(q, k, v, causal=causal)
     ref = A.sdpa_attention(q.float(), k.float(), v.float(), causal=causal)
-    assert rel_err(out, ref) <= 2e-2
+    assert rel_err(out, ref) <= tolerance(dtype)
 
 
 @pytest.mark.gpu
@@ -159,10 +188,10 @@ def test_gpu_gqa_decode_chunk_and_padding():
     mask[1, :1000] = False
     out = A.get("flash_triton").forward(q, k, v, causal=True, key_padding_mask=mask)
     ref = A.naive_attention(q.float(), k.float(), v.float(), causal=True, key_padding_mask=mask)
-    assert rel_err(out, ref) <= 2e-2
+    assert rel_err(out, ref) <= tolerance(torch.bfloat16)
     one = A.get("flash_triton").forward(q[:, -1:], k, v, causal=True)
     ref1 = A.naive_attention(q[:, -1:].float(), k.float(), v.float(), causal=True)
-    assert rel_err(one, ref1) <= 2e-2
+    assert rel_err(one, ref1) <= tolerance(torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -180,9 +209,9 @@ def test_gpu_float32_and_varlen():
 
 
 @pytest.mark.gpu
-def test_gpu_model_greedy_tokens(smollm2, tokenizer):
-    model = smollm2   # loaded on CUDA where there is one
-    assert model.device.type == "cuda"
+def test_gpu_model_greedy_tokens(tokenizer):
+    # float32, so that naive and the kernel may differ only in summation order
+    model = llmlab.load_model("smollm2-135m", device="cuda", dtype=torch.float32)
     try:
         ref = llmlab.generate(model.set_attention("naive"), tokenizer, "The capital of France is",
                               max_new_tokens=16, chat=False)
@@ -193,17 +222,20 @@ def test_gpu_model_greedy_tokens(smollm2, tokenizer):
     assert got.token_ids == ref.token_ids
 
 
-@pytest.mark.slow
-def test_gpu_path_compiles_ahead_of_time_for_a100_and_h100():
-    # The interpreter never compiles; this builds PTX and cubins for sm_80 and sm_90 in a
-    # fresh process (no GPU needed) and checks they use the tensor cores and async copies.
-    code = (
-        "from llmlab.kernels.flash_attn import compile_ahead\n"
-        "h = compile_ahead(90, 'bf16', 64, causal=True, key_range=True).asm['ptx']\n"
-        "a = compile_ahead(80, 'fp16', 128, causal=False, varlen=True, num_warps=8).asm['ptx']\n"
-        "print('wgmma' in h, 'mma.sync' in a, 'cp.async' in h and 'cp.async' in a)\n")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["True", "True", "True"], res.stdout
+@pytest.mark.gpu
+def test_gpu_varlen_keys_past_2_to_the_31_elements():
+    # packed K/V of 2^21 + 96 tokens × 8 heads × 128 (bfloat16, 4.3 GB each): the second
+    # sequence's keys start past what int32 offsets can address
+    kvh, d, first = 8, 128, 2 ** 21 + 32
+    k = torch.empty(first + 64, kvh, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.empty_like(k)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k[first:] = torch.randn(64, kvh, d, device="cuda", generator=g).bfloat16()
+    v[first:] = torch.randn(64, kvh, d, device="cuda", generator=g).bfloat16()
+    q = torch.randn(64, 2 * kvh, d, device="cuda", generator=g).bfloat16()
+    cu_q = torch.tensor([0, 0, 64], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, first, first + 64], dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, first, causal=True)
+    ref = A.naive_attention(q[None].float(), k[None, first:].float(), v[None, first:].float(),
+                            causal=True)[0]
+    assert rel_err(out[None], ref[None]) <= tolerance(torch.bfloat16)

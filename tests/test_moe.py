@@ -9,7 +9,7 @@ from llmlab.layers.moe import (DISPATCH, SparseMoE, dispatch_grouped, group_by_e
                                route, set_dispatch)
 from llmlab.layers import moe_stats as S
 
-from .conftest import hf_model
+from .conftest import KERNEL_DEVICE, hf_model
 
 
 def max_abs(a, b):
@@ -56,7 +56,8 @@ def test_grouped_with_the_triton_kernel_matches_loop_on_a_tiny_mixtral_layer(tin
     with torch.no_grad():
         ref = moe(x)
         w, e = moe.last_routing
-        tri = dispatch_grouped(x, w, e, moe.w_gate, moe.w_up, moe.w_down, impl="triton")
+        args = [t.to(KERNEL_DEVICE) for t in (x, w, e, moe.w_gate, moe.w_up, moe.w_down)]
+        tri = dispatch_grouped(*args, impl="triton").cpu()
     assert max_abs(tri, ref) <= 1e-5
 
 
@@ -68,7 +69,8 @@ def test_dispatches_agree_with_empty_experts(tokens, experts, k, skip):
     ref = DISPATCH["loop"](x, w, ids, *weights)
     for name in ("dense", "grouped"):
         assert max_abs(DISPATCH[name](x, w, ids, *weights), ref) <= 1e-5, name
-    assert max_abs(dispatch_grouped(x, w, ids, *weights, impl="triton"), ref) <= 1e-5
+    on_kernel = [t.to(KERNEL_DEVICE) for t in (x, w, ids, *weights)]
+    assert max_abs(dispatch_grouped(*on_kernel, impl="triton").cpu(), ref) <= 1e-5
     # the definition, token by token
     silu = torch.nn.functional.silu
     t = tokens - 1

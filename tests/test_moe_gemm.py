@@ -6,22 +6,24 @@ import llmlab  # noqa: F401  (TRITON_INTERPRET before the kernel is defined)
 from llmlab.kernels.moe_gemm import (grouped_gemm, grouped_gemm_torch, grouped_gemm_triton,
                                      tile_table)
 
+from .conftest import KERNEL_DEVICE
+
 
 def naive(x, w, counts, scale=None):
     """Row by row: the definition the grouped GEMM must reproduce."""
     owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     y = torch.stack([w[e] @ x[i] for i, e in enumerate(owner.tolist())]) if len(owner) else \
-        torch.zeros(0, w.shape[1])
+        torch.zeros(0, w.shape[1], device=x.device)
     return y * scale[:, None] if scale is not None else y
 
 
 def case(counts, k, n, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     m = sum(counts)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(len(counts), n, k, generator=g).to(dtype)
-    offsets = torch.tensor([0] + counts).cumsum(0)
-    scale = torch.rand(m, generator=g)
+    x = torch.randn(m, k, generator=g).to(KERNEL_DEVICE, dtype)
+    w = torch.randn(len(counts), n, k, generator=g).to(KERNEL_DEVICE, dtype)
+    offsets = torch.tensor([0] + counts).cumsum(0).to(KERNEL_DEVICE)
+    scale = torch.rand(m, generator=g).to(KERNEL_DEVICE)
     return x, w, offsets, scale
 
 
@@ -46,11 +48,11 @@ def test_triton_matches_reference_on_ragged_groups(counts, k, n):
 def test_triton_handles_shared_expert_storage_and_strided_rows():
     # stride-0 expert dimension (identical experts, as upcycling builds them) and a strided x
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(48, 40, generator=g)
+    base = torch.randn(48, 40, generator=g).to(KERNEL_DEVICE)
     w = base.unsqueeze(0).expand(5, -1, -1)
-    x = torch.randn(80, 2 * 40, generator=g)[:, ::2]
+    x = torch.randn(80, 2 * 40, generator=g).to(KERNEL_DEVICE)[:, ::2]
     counts = [20, 0, 31, 29, 0]
-    offsets = torch.tensor([0] + counts).cumsum(0)
+    offsets = torch.tensor([0] + counts).cumsum(0).to(KERNEL_DEVICE)
     assert w.stride(0) == 0 and not x.is_contiguous()
     assert (grouped_gemm_triton(x, w, offsets) - x @ base.t()).abs().max() <= 1e-4
 
@@ -62,13 +64,17 @@ def test_all_rows_in_one_tiny_expert_and_no_rows():
     assert grouped_gemm_triton(x0, w0, off0).shape == (0, 16)
 
 
-def test_half_precision_accumulates_in_float32():
-    # float16 here: the Triton interpreter has no bfloat16 (numpy lacks it); bf16 runs in the GPU test
-    x, w, offsets, _ = case([9, 0, 23], 64, 32, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_accumulates_in_float32(dtype):
+    # bfloat16 tiles are upcast before tl.dot in the interpreter (which would multiply their
+    # raw bit patterns); compiled, both dtypes run on tensor cores
+    x, w, offsets, _ = case([9, 0, 23], 64, 32, dtype=dtype)
     y = grouped_gemm_triton(x, w, offsets)
-    assert y.dtype == torch.float16
+    assert y.dtype == dtype
     ref = naive(x.float(), w.float(), [9, 0, 23])
-    assert (y.float() - ref).abs().max() <= 0.05  # fp16 output rounding only (|y| ~ 10)
+    # float32 accumulation leaves only the output's rounding: at most half an ulp, eps/2
+    eps = torch.finfo(dtype).eps
+    assert ((y.float() - ref).abs() <= eps * ref.abs() + 1e-4).all()
 
 
 def test_tile_table_covers_every_row_once():
@@ -93,6 +99,11 @@ def test_bad_arguments_are_named():
         grouped_gemm_torch(x, w[:, :, :8], offsets)
     with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
         grouped_gemm_triton(x, w, offsets, block_m=24)
+    with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
+        grouped_gemm_triton(x, w, offsets, block_k=8)
+    with pytest.raises(ValueError, match=r"x and w must share one dtype.*x torch.float32, "
+                                         r"w torch.bfloat16"):
+        grouped_gemm_triton(x, w.bfloat16(), offsets)
     with pytest.raises(ValueError, match=r"unknown grouped_gemm impl 'cuda'; allowed: \['auto'"):
         grouped_gemm(x, w, offsets, impl="cuda")
 

@@ -10,7 +10,7 @@ from llmlab.cache.block_manager import NoFreeBlocksError
 from llmlab.cache.paged import PagedKVCache
 from llmlab.generate import generate_paged
 
-from .conftest import FRANCE
+from .conftest import FRANCE, on_kernel_device
 
 
 def make_paged(lens, block_size, kv_heads, head_dim, seed=0, spare=3):
@@ -177,27 +177,29 @@ def test_packed_prefill_equals_each_prompt_alone(tiny, attention):
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 2, 14, 5)]
-    cache = PagedKVCache.for_model(tiny, num_blocks=16, block_size=4)
+    model = on_kernel_device(tiny) if attention == "flash_triton" else tiny
+    dev = model.device
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4)
     for sid, p in enumerate(prompts):
         cache.manager.allocate(sid, p)
     packed = PackedPagedCache(cache)
-    before = tiny.attention
-    tiny.set_attention(attention)
+    before = model.attention
+    model.set_attention(attention)
     try:
         with torch.inference_mode():
             pos = packed.prepare(list(range(4)), [len(p) for p in prompts])
             assert packed.step.fresh == [0, 1, 2, 3] and packed.step.fresh_max == 14
-            x = tiny.embed_tokens(torch.tensor([t for p in prompts for t in p])[None])
-            for layer in tiny.layers:
+            x = model.embed_tokens(torch.tensor([t for p in prompts for t in p], device=dev)[None])
+            for layer in model.layers:
                 x = layer(x, pos, packed)
-            got = tiny.lm_head(tiny.norm(x[0]))
-            tiny.set_attention("naive")
+            got = model.lm_head(model.norm(x[0]))
+            model.set_attention("naive")
             for i, p in enumerate(prompts):
-                ref = tiny(torch.tensor([p]))[0]
+                ref = model(torch.tensor([p], device=dev))[0]
                 s, e = packed.step.cu[i], packed.step.cu[i + 1]
                 assert (got[s:e] - ref).abs().max().item() < 1e-4, (attention, i)
     finally:
-        tiny.set_attention(before)
+        model.set_attention(before)
 
 
 def test_generate_paged_frees_every_block_when_a_step_fails(tiny, tokenizer):
@@ -297,19 +299,19 @@ def test_viz_functions_draw(tmp_path):
     pviz.plot_prefix_cache([1.0, 1.0], [1.0, 0.3], 0.5)
 
 
-def test_exercise_checks_accept_right_and_reject_wrong(capsys):
-    from llmlab.exercises import nb04
+def test_exercise_checks_accept_right_and_reject_wrong():
+    from llmlab import exercises
 
-    assert nb04.check_slot(lambda t, p, b: t[p // b] * b + p % b)
-    assert not nb04.check_slot(lambda t, p, b: p)                   # ignores the table
-    assert not nb04.check_slot(lambda t, p, b: None)                # the placeholder
-    assert not nb04.check_slot(lambda t, p, b: 1 / 0)               # must not raise
-    assert nb04.check_wasted_slots(lambda ls, b: sum(-(-n // b) * b - n for n in ls))
-    assert not nb04.check_wasted_slots(lambda ls, b: sum(b - n % b for n in ls))  # full blocks
-    assert nb04.check_cow_blocks(5) and not nb04.check_cow_blocks(9)
-    assert not nb04.check_cow_blocks(...)
-    out = capsys.readouterr().out
-    assert "✅" in out and "❌" in out
+    assert exercises.check("nb04.slot_of", lambda t, p, b: t[p // b] * b + p % b).passed
+    assert "block_table" in exercises.check("nb04.slot_of", lambda t, p, b: p).message
+    assert "None" in exercises.check("nb04.slot_of", lambda t, p, b: None).message
+    v = exercises.check("nb04.slot_of", lambda t, p, b: 1 / 0)       # must not raise
+    assert not v.passed and "ZeroDivisionError" in v.message
+    assert exercises.check("nb04.wasted_slots",
+                           lambda ls, b: sum(-(-n // b) * b - n for n in ls)).passed
+    assert exercises.check("nb04.cow_blocks", 5).passed
+    assert not exercises.check("nb04.cow_blocks", 9).passed
+    assert "not yet" in str(exercises.check("nb04.cow_blocks", ...))
 
 
 def test_the_engine_option_that_picks_the_paged_attention():

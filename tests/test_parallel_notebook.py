@@ -1,4 +1,6 @@
 """Notebook 07's helpers: communication accounting, the scaling model, figures, exercise checks."""
+import math
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -68,3 +70,5 @@ def test_fit_latency_bandwidth_recovers_a_line():
     assert latency == pytest.approx(50.0, rel=1e-6) and gbps == pytest.approx(2.0, rel=1e-6)
     with pytest.raises(ValueError, match="at least 2"):
         fit_latency_bandwidth(rows[:1])
+    flat = [{"bytes": b, "us": us} for b, us in ((256, 110.0), (4096, 90.0), (65536, 100.0))]
+    assert fit_latency_bandwidth(flat) == (pytest.approx(100.0), math.inf)  # all latency

@@ -16,6 +16,13 @@ Both have the with-KV-cache form of FlashAttention's ``flash_attn_with_kvcache``
 cached prefix has ``seq_q`` new tokens that see the prefix and, causally, each other.
 With ragged new-token counts, left-pad the queries; rows that see no key output zeros.
 
+Every layer of a step reads the pool with the same block tables and lengths, so a cache
+builds them once per step with :func:`prepare_paged_batch`: a :class:`PagedBatch` holds
+them validated on the host, as int32 tensors on the pool's device, with the longest
+length as a Python int. :func:`attend_paged` passes that int on as ``max_seqlen_k=`` to
+a backend that takes it, which then reads no length back from the device: on a GPU a
+per-layer ``int(cache_seqlens.max())`` would stall the host once per layer.
+
 Three backends have this form:
 
 ``paged``
@@ -36,7 +43,11 @@ Taught in notebook 04 (the serving engine of notebook 05 uses them too).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +56,91 @@ from . import register
 from .reference import group_queries, ungroup_queries
 
 
+@dataclass(frozen=True)
+class PagedBatch:
+    """The block-table side of a with-KV-cache call, built once per step and read by
+    every layer (see :func:`prepare_paged_batch`)."""
+
+    cache_seqlens: torch.Tensor     # int32 [batch], contiguous, on the pool's device
+    block_table: torch.Tensor       # int32 [batch, width], contiguous; -1 past a row's blocks
+    max_seqlen_k: int               # max(cache_seqlens), on the host
+    block_size: int
+
+    @property
+    def batch(self) -> int:
+        return self.cache_seqlens.shape[0]
+
+
+def prepare_paged_batch(seqlens: Sequence[int], tables: Sequence[Sequence[int]],
+                        block_size: int, device: torch.device | str,
+                        width: int | None = None) -> PagedBatch:
+    """Check lengths against block tables on the host, then build the int32 tensors once.
+
+    ``seqlens[b]``: tokens of sequence b in the cache (new ones included); ``tables[b]``:
+    its physical block ids. Rows are cut or padded with -1 to ``width`` blocks (default:
+    enough for the longest sequence). ValueError names a length that is negative or
+    that its table (or the width) cannot hold.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    if len(seqlens) != len(tables):
+        raise ValueError(f"{len(seqlens)} lengths but {len(tables)} block tables")
+    longest = max(seqlens, default=0)
+    if width is None:
+        width = max(-(-longest // block_size), 1)
+    for b, (n, table) in enumerate(zip(seqlens, tables)):
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"cache_seqlens[{b}]={n!r} must be an int >= 0")
+        held = min(len(table), width) * block_size
+        if n > held:
+            raise ValueError(f"cache_seqlens[{b}]={n} exceeds what its block table maps: "
+                             f"{min(len(table), width)} blocks × {block_size} slots")
+    rows = [list(t[:width]) + [-1] * (width - len(t)) for t in tables]
+    table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+    return PagedBatch(torch.tensor(list(seqlens), dtype=torch.int32).to(device),
+                      table.to(device), int(longest), block_size)
+
+
+@functools.lru_cache(maxsize=None)
+def takes_max_seqlen(fn: Callable) -> bool:
+    """Whether the with-KV-cache function ``fn`` accepts ``max_seqlen_k=`` (the library's
+    do; one written to FlashAttention's five arguments does not, and is called without)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "max_seqlen_k" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def attend_paged(with_kvcache: Callable, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, batch: PagedBatch, *, causal: bool = True
+                 ) -> torch.Tensor:
+    """``with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal=...)`` with the
+    step's prepared tables, plus ``max_seqlen_k`` where the function takes it."""
+    if takes_max_seqlen(with_kvcache):
+        return with_kvcache(q, k_cache, v_cache, batch.cache_seqlens, batch.block_table,
+                            causal=causal, max_seqlen_k=batch.max_seqlen_k)
+    return with_kvcache(q, k_cache, v_cache, batch.cache_seqlens, batch.block_table,
+                        causal=causal)
+
+
+def read_lengths(cache_seqlens: torch.Tensor) -> tuple[int, int]:
+    """(max, min) of ``cache_seqlens`` read back to the host: on a GPU this waits for the
+    device, which is why a step's callers pass ``max_seqlen_k`` instead."""
+    low, high = torch.aminmax(cache_seqlens)
+    longest, shortest = torch.stack([high, low]).tolist()     # one read, not two
+    return int(longest), int(shortest)
+
+
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_seqlens: torch.Tensor, block_table: torch.Tensor) -> None:
-    """ValueError naming the bad shape or value; shapes as in the module docstring."""
+                     cache_seqlens: torch.Tensor, block_table: torch.Tensor,
+                     max_seqlen_k: int | None = None) -> int:
+    """ValueError naming the bad shape or value; shapes as in the module docstring.
+
+    Returns the longest ``cache_seqlens``. Given ``max_seqlen_k`` (a promise of the
+    caller, e.g. a :class:`PagedBatch`'s, whose lengths were checked on the host), only
+    shapes and that bound are checked: nothing is read back from the device.
+    """
     if q.dim() != 4:
         raise ValueError(f"q must be [batch, seq_q, heads, head_dim]; got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -66,11 +159,22 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"block_table dtype {block_table.dtype}; allowed: torch.int32 (or int64)")
     if cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must be [batch={batch}]; got {tuple(cache_seqlens.shape)}")
-    if batch and int(cache_seqlens.max()) > block_table.shape[1] * block_size:
-        raise ValueError(f"cache_seqlens max {int(cache_seqlens.max())} exceeds what the block "
+    capacity = block_table.shape[1] * block_size
+    if max_seqlen_k is not None:
+        if not isinstance(max_seqlen_k, int) or not 0 <= max_seqlen_k <= capacity:
+            raise ValueError(f"max_seqlen_k={max_seqlen_k!r} must be an int in 0..{capacity} "
+                             f"(the block table maps {block_table.shape[1]} blocks × "
+                             f"{block_size} slots)")
+        return max_seqlen_k
+    if not batch:
+        return 0
+    longest, shortest = read_lengths(cache_seqlens)
+    if longest > capacity:
+        raise ValueError(f"cache_seqlens max {longest} exceeds what the block "
                          f"table maps: {block_table.shape[1]} blocks × {block_size} slots")
-    if batch and int(cache_seqlens.min()) < 0:
-        raise ValueError("cache_seqlens must be >= 0")
+    if shortest < 0:
+        raise ValueError(f"cache_seqlens must be >= 0; got {shortest}")
+    return longest
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -115,18 +219,19 @@ def _grouped_mask(allowed: torch.Tensor, group: int) -> torch.Tensor:
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
-                              softmax_scale: float | None = None,
-                              causal: bool = True) -> torch.Tensor:
+                              softmax_scale: float | None = None, causal: bool = True,
+                              max_seqlen_k: int | None = None) -> torch.Tensor:
     """Gather K/V through the block table, then softmax(Q Kᵀ · scale + mask) V in float32.
 
     Shapes in the module docstring. The mask (:func:`paged_mask`) hides keys past each
     sequence's length and, with ``causal``, keys after each query's own position.
+    ``max_seqlen_k``: the longest ``cache_seqlens`` if the caller knows it (else read).
     """
-    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+    longest = check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen_k)
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    length = max(int(cache_seqlens.max()), 1) if batch else 1
+    length = max(longest, 1)
     k = gather_kv(k_cache, block_table, length).transpose(1, 2).float()   # [b, kv, L, d]
     v = gather_kv(v_cache, block_table, length).transpose(1, 2).float()
     qg = group_queries(q.float(), kv_heads)                                # [b, kv, g*sq, d]
@@ -139,8 +244,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
-                         softmax_scale: float | None = None,
-                         causal: bool = True) -> torch.Tensor:
+                         softmax_scale: float | None = None, causal: bool = True,
+                         max_seqlen_k: int | None = None) -> torch.Tensor:
     """Copy the needed blocks out of the pool whole, then one fused SDPA call.
 
     Shapes in the module docstring. Only the first ``ceil(max(cache_seqlens) /
@@ -148,12 +253,13 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     may be anything, -1 included: their keys are masked). One ``index_select`` per pool
     copies ``blocks · block_size`` keys per row, contiguous blocks rather than slot by
     slot; grouped query heads become extra query rows (:func:`group_queries`), so no K/V
-    is repeated per query head. Rows that see no key are zeros.
+    is repeated per query head. Rows that see no key are zeros. ``max_seqlen_k``: the
+    longest ``cache_seqlens`` if the caller knows it (else read from the tensor).
     """
-    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+    longest = check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen_k)
     batch, seq_q, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = max(-(-int(cache_seqlens.max()) // block_size), 1) if batch else 1
+    width = max(-(-longest // block_size), 1)
     table = block_table[:, :width].long().clamp_min(0).reshape(-1)
     length = width * block_size
     k = k_cache.index_select(0, table).view(batch, length, kv_heads, head_dim).transpose(1, 2)
@@ -167,10 +273,16 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
-                           softmax_scale: float | None = None,
-                           causal: bool = True) -> torch.Tensor:
-    """The Triton kernel reading K/V in place through the block table (interpreted on CPU)."""
-    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table)
+                           softmax_scale: float | None = None, causal: bool = True,
+                           max_seqlen_k: int | None = None) -> torch.Tensor:
+    """The Triton kernel reading K/V in place through the block table (interpreted on CPU).
+
+    One launch serves the whole batch, whatever its lengths: each program walks its own
+    sequence's blocks only. Give int32 contiguous ``cache_seqlens`` and ``block_table``
+    (a :class:`PagedBatch`'s) and ``max_seqlen_k``, and the call neither casts nor reads
+    anything back from the device.
+    """
+    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen_k)
     from ..kernels.paged_attn import paged_attention
 
     return paged_attention(q, k_cache, v_cache, cache_seqlens, block_table,
@@ -195,4 +307,5 @@ register("paged_triton", _needs_paged_cache("paged_triton"), with_kvcache=paged_
          description="Triton kernel reading K/V blocks in place through the block table")
 
 __all__ = ["paged_attention_reference", "paged_attention_sdpa", "paged_attention_triton",
-           "gather_kv", "paged_mask", "check_paged_args"]
+           "gather_kv", "paged_mask", "check_paged_args", "PagedBatch", "prepare_paged_batch",
+           "attend_paged", "takes_max_seqlen", "read_lengths"]

@@ -15,9 +15,16 @@ is the cache object for such a step. It stores K/V in a
 * prompts continuing a cached prefix (a prefix-cache hit, or the next chunk under
   chunked prefill) and decode tokens read K/V from the pool through their block
   tables, with the cache's **paged attention** backend (``paged_sdpa``, ``paged`` or
-  ``paged_triton``: :mod:`llmlab.attention.paged`). Decodes are sorted by length and
-  attend in groups of up to ``decode_group``, so a short sequence is not padded to the
-  longest one in the batch.
+  ``paged_triton``: :mod:`llmlab.attention.paged`). A kernel that reads blocks in place
+  (``paged_triton``) serves every decode of the step in one call per layer; the backends
+  that copy K/V out of the pool pad each row to the longest sequence of its call, so
+  for them decodes are sorted by length and attend in groups of up to ``decode_group``.
+
+Everything the layers share is built once per step by :meth:`PackedPagedCache.prepare`
+and kept in a :class:`PackedStep`: offsets, slot mapping, and for each pool call its
+int32 block tables and lengths (:class:`~llmlab.attention.paged.PagedBatch`, the longest
+length as a Python int). Each layer's attention then only launches work: on a GPU it
+reads nothing back to the host and casts nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +33,13 @@ from typing import Hashable, Sequence
 
 import torch
 
+from ..attention.paged import PagedBatch, attend_paged, prepare_paged_batch
 from .paged import PagedKVCache
+
+# Paged backends that read K/V blocks in place: one call covers sequences of any lengths
+# at no padding cost, so every decode of a step goes into a single call.
+IN_PLACE_BACKENDS = ("paged_triton",)
+GATHER_DECODE_GROUP = 8     # decodes per call for the backends that copy K/V out first
 
 
 @dataclass
@@ -35,8 +48,9 @@ class PoolGroup:
 
     rows: torch.Tensor              # long [n * seq_q]: their new tokens' rows in the pack
     seq_q: int                      # new tokens per sequence (1 for decodes)
-    block_table: torch.Tensor       # int32 [n, blocks]: cut to the group's longest sequence
-    seqlens: torch.Tensor           # int32 [n]: cached + new tokens
+    tables: PagedBatch              # int32 block tables cut to the longest, int32 lengths
+    whole: bool = False             # its rows are the whole pack, in order (e.g. a step of
+                                    # decodes only): q is used as it is, no gather or scatter
 
 
 @dataclass
@@ -46,8 +60,11 @@ class PackedStep:
 
     cu_seqlens: torch.Tensor        # int32 [batch + 1]: row offsets into the packed tokens
     cu: list[int]                   # the same offsets on the host
+    num_new: list[int]              # new tokens per sequence
     seqlens: list[int]              # cached + new tokens per sequence
     slot_mapping: torch.Tensor      # long [total]: where each new token's K/V goes
+    last_rows: torch.Tensor         # long [batch]: each sequence's last new token in the pack
+    max_position: int               # the highest position fed this step
     tables: list[list[int]]         # block table of each sequence
     fresh: list[int]                # sequences reading a prompt from scratch (no cached prefix)
     continued: list[int]            # prompts on top of a cached prefix
@@ -67,24 +84,34 @@ class PackedPagedCache:
     ``prepare(seq_ids, num_new, num_computed)`` before the forward returns positions
     [1, total]; every attention layer then calls :meth:`attend`. The pool is read with
     the paged cache's backend (:meth:`PagedKVCache.paged_attention`).
+    ``decode_group``: decodes per pool call; None (the default) puts all of a step's
+    decodes into one call when the pool's backend reads blocks in place
+    (``IN_PLACE_BACKENDS``), else groups of ``GATHER_DECODE_GROUP`` sorted by length.
     """
 
-    def __init__(self, paged: PagedKVCache, decode_group: int = 8):
-        if not isinstance(decode_group, int) or decode_group < 1:
-            raise ValueError(f"decode_group={decode_group!r} must be a positive int")
+    def __init__(self, paged: PagedKVCache, decode_group: int | None = None):
+        if decode_group is not None and (not isinstance(decode_group, int) or decode_group < 1):
+            raise ValueError(f"decode_group={decode_group!r} must be a positive int or None")
         self.paged = paged
         self.decode_group = decode_group
         self.step: PackedStep | None = None
 
+    def decodes_per_call(self, num_decodes: int) -> int:
+        """How many decodes share one pool call in a step with ``num_decodes`` of them."""
+        if self.decode_group is not None:
+            return self.decode_group
+        if self.paged.backend in IN_PLACE_BACKENDS:
+            return max(num_decodes, 1)
+        return GATHER_DECODE_GROUP
+
     def _group(self, members: list[int], step_tables: list[list[int]], lens: list[int],
                cu: list[int], seq_q: int, dev) -> PoolGroup:
-        width = -(-max(lens[i] for i in members) // self.paged.block_size)
-        table = torch.tensor([step_tables[i][:width] + [-1] * (width - len(step_tables[i]))
-                              for i in members], dtype=torch.int32)
-        rows = torch.tensor([r for i in members for r in range(cu[i + 1] - seq_q, cu[i + 1])],
-                            dtype=torch.long)
-        seqlens = torch.tensor([lens[i] for i in members], dtype=torch.int32)
-        return PoolGroup(rows.to(dev), seq_q, table.to(dev), seqlens.to(dev))
+        rows = [r for i in members for r in range(cu[i + 1] - seq_q, cu[i + 1])]
+        tables = prepare_paged_batch([lens[i] for i in members],
+                                     [step_tables[i] for i in members],
+                                     self.paged.block_size, dev)
+        return PoolGroup(torch.tensor(rows, dtype=torch.long).to(dev), seq_q, tables,
+                         whole=rows == list(range(cu[-1])))
 
     def prepare(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
                 num_computed: Sequence[int] | None = None) -> torch.Tensor:
@@ -96,6 +123,9 @@ class PackedPagedCache:
         """
         bm = self.paged.manager
         dev = self.paged.k[0].device
+        if len(seq_ids) != len(num_new) or not seq_ids:
+            raise ValueError(f"seq_ids ({len(seq_ids)}) and num_new ({len(num_new)}) must be "
+                             "non-empty and of equal length")
         tables, lens, slot_map, positions = [], [], [], []
         fresh, continued, decode = [], [], []
         for i, (sid, n) in enumerate(zip(seq_ids, num_new)):
@@ -113,22 +143,27 @@ class PackedPagedCache:
         cu = [0]
         for n in num_new:
             cu.append(cu[-1] + n)
-        by_length = sorted(decode, key=lambda i: lens[i])
-        groups = [self._group(by_length[j:j + self.decode_group], tables, lens, cu, 1, dev)
-                  for j in range(0, len(by_length), self.decode_group)]
+        per_call = self.decodes_per_call(len(decode))
+        # split into several calls: by length, so that each call pads little
+        order = decode if per_call >= len(decode) else sorted(decode, key=lambda i: lens[i])
+        groups = [self._group(order[j:j + per_call], tables, lens, cu, 1, dev)
+                  for j in range(0, len(order), per_call)]
         groups += [self._group([i], tables, lens, cu, num_new[i], dev) for i in continued]
         fresh_cu = [0]
         for i in fresh:
             fresh_cu.append(fresh_cu[-1] + num_new[i])
         fresh_rows = [r for i in fresh for r in range(cu[i], cu[i + 1])]
         self.step = PackedStep(
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), cu=cu, seqlens=lens,
-            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev), tables=tables,
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev), cu=cu,
+            num_new=list(num_new), seqlens=lens,
+            slot_mapping=torch.tensor(slot_map, dtype=torch.long).to(dev),
+            last_rows=torch.tensor(cu[1:], dtype=torch.long).sub_(1).to(dev),
+            max_position=max(lens) - 1, tables=tables,
             fresh=fresh, continued=continued, decode=decode,
-            fresh_rows=torch.tensor(fresh_rows, dtype=torch.long, device=dev),
-            fresh_cu=torch.tensor(fresh_cu, dtype=torch.int32, device=dev),
+            fresh_rows=torch.tensor(fresh_rows, dtype=torch.long).to(dev),
+            fresh_cu=torch.tensor(fresh_cu, dtype=torch.int32).to(dev),
             fresh_max=max((num_new[i] for i in fresh), default=0), pool_groups=groups)
-        return torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        return torch.tensor(positions, dtype=torch.long).to(dev)[None]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend) -> torch.Tensor:
@@ -154,10 +189,14 @@ class PackedPagedCache:
             out.index_copy_(0, rows, fresh_out)
         attention = self.paged.paged_attention(backend)
         heads, head_dim = q.shape[1:]
+        k_pool, v_pool = self.paged.k[layer_idx], self.paged.v[layer_idx]
         for g in groups:
+            if g.whole:
+                got = attend_paged(attention, q.reshape(-1, g.seq_q, heads, head_dim), k_pool,
+                                   v_pool, g.tables, causal=True)
+                return got.reshape(1, -1, heads, head_dim)
             qg = q.index_select(0, g.rows).view(-1, g.seq_q, heads, head_dim)
-            got = attention(qg, self.paged.k[layer_idx], self.paged.v[layer_idx], g.seqlens,
-                            g.block_table, causal=True)
+            got = attend_paged(attention, qg, k_pool, v_pool, g.tables, causal=True)
             out.index_copy_(0, g.rows, got.reshape(-1, heads, head_dim))
         return out[None]
 
@@ -170,4 +209,5 @@ class PackedPagedCache:
         return st.fresh_groups
 
 
-__all__ = ["PackedPagedCache", "PackedStep", "PoolGroup"]
+__all__ = ["PackedPagedCache", "PackedStep", "PoolGroup", "IN_PLACE_BACKENDS",
+           "GATHER_DECODE_GROUP"]

@@ -34,6 +34,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from .. import attention as attn_backends
+from ..attention.paged import PagedBatch, attend_paged, prepare_paged_batch
 from .block_manager import BlockManager
 
 
@@ -68,8 +69,7 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._ids = itertools.count()
         self._slot_mapping: torch.Tensor | None = None     # [batch, seq_q] long, -1 = skip
-        self._block_table: torch.Tensor | None = None      # [batch, max_blocks] int32
-        self._seqlens: torch.Tensor | None = None          # [batch] int32
+        self._tables: PagedBatch | None = None             # int32 block tables and lengths
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw) -> "PagedKVCache":
@@ -120,7 +120,8 @@ class PagedKVCache:
         The manager must already hold the slots (``allocate`` / ``append_slot``). Rows are
         left-padded to the longest ``num_new``; returns positions [batch, max_new] (long,
         0 on pads), and remembers the slot mapping (−1 on pads), the block tables and the
-        sequence lengths for :meth:`attend`.
+        sequence lengths for :meth:`attend`: built and checked here once, read by every
+        layer (:class:`~llmlab.attention.paged.PagedBatch`).
         """
         if len(seq_ids) != len(num_new) or not seq_ids:
             raise ValueError(f"seq_ids ({len(seq_ids)}) and num_new ({len(num_new)}) must be "
@@ -139,12 +140,8 @@ class PagedKVCache:
             positions[row, width - n:] = torch.arange(total - n, total)
             tables.append(self.manager.block_table(sid))
             lens.append(total)
-        table = torch.zeros((len(seq_ids), max(len(t) for t in tables)), dtype=torch.int32)
-        for row, t in enumerate(tables):
-            table[row, :len(t)] = torch.tensor(t, dtype=torch.int32)
         self._slot_mapping = slots.to(dev)
-        self._block_table = table.to(dev)
-        self._seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        self._tables = prepare_paged_batch(lens, tables, self.block_size, dev)
         return positions.to(dev)
 
     # -- the interface every cache implements --------------------------------------------
@@ -174,8 +171,8 @@ class PagedKVCache:
         self.write(layer_idx, k.reshape(b * s, self.num_kv_heads, self.head_dim),
                    v.reshape(b * s, self.num_kv_heads, self.head_dim),
                    self._slot_mapping.reshape(-1))
-        return self.paged_attention(backend)(q, self.k[layer_idx], self.v[layer_idx],
-                                             self._seqlens, self._block_table, causal=True)
+        return attend_paged(self.paged_attention(backend), q, self.k[layer_idx],
+                            self.v[layer_idx], self._tables, causal=True)
 
     def paged_attention(self, layer_backend) -> Callable:
         """The with-KV-cache function that reads this pool: the cache's ``backend``, else

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Sequence as Seq
 import torch
 
 from ..cache.paged import PagedKVCache
+from ..device import resolve_dtype
 from .runner import ModelRunner, choose_paged_attention
 from ..prompts import check_token_ids
 from ..sampling import sample_rows
@@ -479,7 +480,11 @@ class LLM:
     backend that reads K/V from the pool, for decodes and for prompts that continue a
     cached prefix (``"paged_sdpa"``, ``"paged"``, ``"paged_triton"``; default
     ``"paged_triton"`` on a GPU, ``"paged_sdpa"`` elsewhere; ``decode_attention`` is its
-    deprecated old name). ``enable_chunked_prefill``: prompts
+    deprecated old name). ``device`` and ``dtype``: where and in what a model loaded by
+    name runs (default: CUDA if present; bfloat16 on a GPU, float32 on a CPU, see
+    :func:`llmlab.device.default_dtype`); the KV pool takes the model's dtype. An
+    already loaded model keeps its own, and a ``dtype`` that differs from it is refused.
+    ``enable_chunked_prefill``: prompts
     are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
     :mod:`llmlab.engine.scheduler`).
     """
@@ -490,7 +495,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  attention: str = "sdpa", paged_attention: str | None = None, device=None,
-                 seed: int = 0, decode_attention: str | None = None):
+                 dtype: str | torch.dtype | None = None, seed: int = 0,
+                 decode_attention: str | None = None):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -498,12 +504,16 @@ class LLM:
                              "schedules over a paged cache)")
         if isinstance(model, str):
             name = model
-            model = llmlab.load_model(name, attention=attention, device=device)
+            model = llmlab.load_model(name, attention=attention, device=device, dtype=dtype)
         else:
             name = getattr(model, "name", None)
             if not hasattr(model, "config") or not hasattr(model, "layers"):
                 raise ValueError(f"model must be a registered name or a loaded llmlab model; "
                                  f"got {type(model).__name__}")
+            if dtype is not None and resolve_dtype(dtype) != model.dtype:
+                raise ValueError(f"dtype={dtype!r} but the model is already loaded in "
+                                 f"{model.dtype}; load it in that dtype "
+                                 f"(llmlab.load_model(..., dtype=...)), or pass dtype=None")
         if tokenizer is None:
             if name is None or name == "custom":
                 raise ValueError("pass tokenizer= for a model built by hand")

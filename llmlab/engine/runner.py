@@ -13,10 +13,17 @@ Two input layouts, as the two scheduling policies need them:
 
 Both layouts read the pool with the same paged attention backend: the cache's
 ``backend`` (``LLM(..., paged_attention=...)``). Taught in notebook 05.
+
+A step has two halves, as in nano-vllm's model runner: :meth:`ModelRunner.prepare` turns
+the schedule into tensors once (token ids, positions, slot mapping, block tables and
+lengths, on the model's device, checked on the host), and :meth:`ModelRunner.forward`
+runs the layers, which only read that metadata; on a GPU the forward queues its work
+without waiting for the device until the logits are read.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +59,19 @@ def choose_paged_attention(paged_attention: str | None, device: torch.device,
     return paged_attention
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs, built by :meth:`ModelRunner.prepare` (tensors on the model's
+    device). Packed: ``input_ids`` and ``positions`` [1, total] and ``last_rows`` long
+    [batch]; padded: [batch, max_new] and ``last_rows`` None (each row ends at its last
+    column)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cache: PackedPagedCache | PagedKVCache
+    last_rows: torch.Tensor | None
+
+
 class ModelRunner:
     """Runs a :class:`SchedulerOutput` through the model; returns last-token logits.
 
@@ -66,11 +86,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """-> logits [num_scheduled, vocab] for the last new token of each sequence."""
-        self.paged.copy_blocks(step.block_copies)
+        """-> float32 logits [num_scheduled, vocab] for the last new token of each sequence."""
+        return self.forward(self.prepare(step))
+
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
+        """The step's inputs and attention metadata, built once (the layers share them).
+
+        Copies the step's copy-on-write blocks, and checks on the host that no position
+        passes the model's context.
+        """
         seqs = [s.seq for s in step.scheduled]
         num_new = [s.num_new for s in step.scheduled]
         starts = [s.num_computed for s in seqs]
+        top = max(a + n for a, n in zip(starts, num_new)) - 1
+        ctx = self.model.config.max_position_embeddings
+        if top >= ctx:
+            raise ValueError(f"position {top} is past the model's context of {ctx} tokens")
+        self.paged.copy_blocks(step.block_copies)
         ids = [s.seq.all_token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new]
                for s in step.scheduled]
         dev = self.model.device
@@ -78,27 +110,24 @@ class ModelRunner:
         # so it takes the packed path (one attention implementation for both policies)
         if step.packed or all(n == 1 for n in num_new):
             positions = self.packed.prepare([s.seq_id for s in seqs], num_new, starts)
-            flat = torch.tensor([t for row in ids for t in row], dtype=torch.long, device=dev)
-            last = self.packed.step.cu_seqlens[1:].long() - 1
-            return self._forward_rows(flat[None], positions, self.packed, last)
+            flat = torch.tensor([t for row in ids for t in row], dtype=torch.long).to(dev)
+            return StepInputs(flat[None], positions, self.packed, self.packed.step.last_rows)
         positions = self.paged.prepare([s.seq_id for s in seqs], num_new)
         input_ids, _ = left_pad(ids, self.pad_token_id, dev)
-        return self.model(input_ids, positions=positions, cache=self.paged,
-                          last_only=True)[:, -1]
+        return StepInputs(input_ids, positions, self.paged, None)
 
-    def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
-                      rows: torch.Tensor) -> torch.Tensor:
-        """The decoder over a packed row, with logits only at ``rows`` (each sequence's
-        last token) — the vocabulary projection is the most expensive matmul per token."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The decoder over prepared inputs -> float32 logits [batch, vocab], computed only at
+        each sequence's last token (the vocabulary projection is the most expensive matmul
+        per token). Reads nothing back from the device."""
         m = self.model
-        top = int(positions.max())
-        if top >= m.config.max_position_embeddings:
-            raise ValueError(f"position {top} is past the model's context of "
-                             f"{m.config.max_position_embeddings} tokens")
-        x = m.embed_tokens(input_ids)
+        x = m.embed_tokens(inputs.input_ids)
         for layer in m.layers:
-            x = layer(x, positions, cache)
-        return m.lm_head(m.norm(x[0, rows]))
+            x = layer(x, inputs.positions, inputs.cache)
+        last = x[0, inputs.last_rows] if inputs.last_rows is not None else x[:, -1]
+        # sampling in float32 whatever the model's dtype: bfloat16 logits tie often and
+        # their softmax is coarse
+        return m.lm_head(m.norm(last)).float()
 
 
 def padding_tokens(lengths: list[int]) -> int:
@@ -106,4 +135,4 @@ def padding_tokens(lengths: list[int]) -> int:
     return len(lengths) * max(lengths, default=0) - sum(lengths)
 
 
-__all__ = ["ModelRunner", "choose_paged_attention", "padding_tokens"]
+__all__ = ["ModelRunner", "StepInputs", "choose_paged_attention", "padding_tokens"]

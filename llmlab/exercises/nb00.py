@@ -87,13 +87,13 @@ def _check_predict_temperature(answer, p_at_1: float | None = None,
     measured = (f"Measured: {p_at_1:.3f} at temperature 1.0, {p_at_half:.3f} at 0.5 "
                 f"({p_at_half / p_at_1:.2f}×).")
     verdict = choice_verdict(answer, "a", {
-        "a": "it rises. Dividing the logits by 0.5 doubles every gap between them, and softmax "
+        "a": "It rises. Dividing the logits by 0.5 doubles every gap between them, and softmax "
              "turns a gap Δ into a probability ratio e^Δ: the top token's lead over each "
              "rival is squared.",
-        "b": "a lower temperature would make it fall only if it flattened the distribution; "
+        "b": "A lower temperature would make it fall only if it flattened the distribution; "
              "dividing by 0.5 doubles the gaps between logits, which sharpens it.",
-        "c": "softmax is not scale-invariant: doubling the logits changes the probabilities.",
-        "d": "it approaches 1 only as the temperature goes to 0 (greedy); at 0.5 the rivals "
+        "c": "Softmax is not scale-invariant: doubling the logits changes the probabilities.",
+        "d": "It approaches 1 only as the temperature goes to 0 (greedy); at 0.5 the rivals "
              "keep some probability.",
     })
     return Verdict(verdict.passed, f"{verdict.message} {measured}")
@@ -102,17 +102,17 @@ def _check_predict_temperature(answer, p_at_1: float | None = None,
 # ---- explain: dequantized Q4_1 weights ----------------------------------------------------------
 
 _WEIGHTS_CHOICES = {
-    "a": "no: the linear weights went through 4-bit Q4_1 quantization (32 weights share one "
+    "a": "The linear weights went through 4-bit Q4_1 quantization (32 weights share one "
          "scale and minimum), which moves them by far more than float32 rounding; the hub's "
          "bfloat16 logits differ from ours by that quantization error.",
-    "b": "yes: our float32 weights are exactly the dequantized Q4_1 values, so llmlab is "
+    "b": "Our float32 weights are exactly the dequantized Q4_1 values, so llmlab is "
          "compared with HF transformers loading these same weights (where they agree to "
          "~1e-5), while the hub's bfloat16 checkpoint gives slightly different logits and can "
          "pick other tokens; the 4-bit rounding happened once, at conversion.",
-    "c": "no: llmlab dequantizes once, at conversion, and computes in float32; nothing runs "
+    "c": "The weights were dequantized once, at conversion, and llmlab computes in float32; nothing runs "
          "in 4-bit, so there is no speed-up from the file's format (notebook 08, planned, "
          "is where quantized compute would come in).",
-    "d": "no: float32 holds every dequantized Q4_1 value exactly (a 4-bit code times an fp16 "
+    "d": "Float32 holds every dequantized Q4_1 value exactly (a 4-bit code times an fp16 "
          "scale plus an fp16 minimum), so storing them in float32 loses nothing further.",
 }
 

@@ -304,16 +304,16 @@ def _check_predict_memory_growth(answer, measured: float | None = None, **_) -> 
 # ---- explain: why a no-cache step is compute-bound --------------------------------------------
 
 _COMPUTE_BOUND_CHOICES = {
-    "a": "no: a forward over L tokens streams each weight matrix from memory once and uses "
+    "a": "A forward over L tokens streams each weight matrix from memory once and uses "
          "every weight for all L rows of the [L, hidden] input; the weights are not read L times.",
-    "b": "right: each 4-byte weight read from memory does 2·L FLOPs (a multiply and an add per "
+    "b": "Each 4-byte weight read from memory does 2·L FLOPs (a multiply and an add per "
          "token), so the step's intensity is about L/2 FLOP/byte; past this machine's ridge "
          "point (a few to a few tens of FLOP/byte) the arithmetic, not the weight reads, sets "
          "the time, and the step time grows in proportion to L.",
-    "c": "no: at these lengths attention is a minority of the time (the parts plot); its L² "
+    "c": "At these lengths attention is a minority of the time (the parts plot); its L² "
          "term grows faster but is small next to L × (the 135M weights) until L is in the "
          "thousands.",
-    "d": "no: Python and launch overhead are a fixed cost per step; they do not grow with L, "
+    "d": "Python and launch overhead are a fixed cost per step; they do not grow with L, "
          "and the measured step time does.",
 }
 

@@ -306,13 +306,14 @@ def _check_kv_cache(cls, **_) -> Verdict:
                          "only slots [0, self.length + num_new).")
     p = len(prompt)
     no_cache = sum(p + t for t in range(NEW_TOKENS))
+    trend = "flat" if ratio < 1.5 else "this machine's timing is noisy; the positions count"
     return right(f"{NEW_TOKENS} greedy tokens identical to kv_cache=\"none\". The model computed "
                  f"{sum(fed)} token positions ({fed[0]} for the prompt, then "
                  f"{'/'.join(str(n) for n in sorted(set(fed[1:])))} per step) where the no-cache "
                  f"loop computes {no_cache} ({no_cache / sum(fed):.0f}× more). A decode step "
                  f"took {early * 1e3:.0f} ms (median) with {p + 1}–{p + WINDOW} tokens in the "
                  f"sequence and {late * 1e3:.0f} ms with {p + NEW_TOKENS - WINDOW}–"
-                 f"{p + NEW_TOKENS - 1}: {ratio:.2f}×, flat.")
+                 f"{p + NEW_TOKENS - 1}: {ratio:.2f}× ({trend}).")
 
 
 # ---- compute: bytes and the roofline -----------------------------------------------------------
@@ -402,9 +403,9 @@ def _measured_batch_ratio() -> float:
 
 
 _BATCH_CHOICES = {
-    "a": "about 16× longer: each of the 16 sequences needs its own arithmetic",
-    "b": "between 5× and 10× longer",
-    "c": "less than 5× longer",
+    "a": "About 16× longer: each of the 16 sequences needs its own arithmetic",
+    "b": "Between 5× and 10× longer",
+    "c": "Less than 5× longer",
 }
 
 
@@ -434,14 +435,14 @@ def _check_predict_batch_decode(answer, measured: float | None = None, **_) -> V
 # ---- explain: the intensity of a decode step -----------------------------------------------------
 
 _INTENSITY_CHOICES = {
-    "a": "no: at 128 cached tokens the KV cache of SmolLM2 is 128 × 46 KB ≈ 6 MB, about 1% of "
+    "a": "At 128 cached tokens the KV cache of SmolLM2 is 128 × 46 KB ≈ 6 MB, about 1% of "
          "the 540 MB of float32 weights; the weights dominate the bytes.",
-    "b": "right: a [1, 576] × [576, 1536] product reads each 4-byte weight once and does one "
+    "b": "A [1, 576] × [576, 1536] product reads each 4-byte weight once and does one "
          "multiply and one add with it, 2 FLOPs per 4 bytes = 0.5 FLOP/byte, whatever the "
          "matrix. Prefill reuses each weight for every prompt token, hence its high intensity.",
-    "c": "no: softmax and the other elementwise operations are a tiny share of the FLOPs; the "
+    "c": "Softmax and the other elementwise operations are a tiny share of the FLOPs; the "
          "matrix products set the intensity.",
-    "d": "no: the intensity is a property of the computation (FLOPs over bytes), not of the "
+    "d": "The intensity is a property of the computation (FLOPs over bytes), not of the "
          "machine; the machine decides only where the ridge point lies.",
 }
 

@@ -218,6 +218,7 @@ def random_block_ops(allocator: Callable | None = None, ops: int = 10_000, seed:
     * reading a sequence's tokens back through its block table gives what it wrote
       (no block was handed out again while still in use);
     * a refused allocate / append raises NoFreeBlocksError and changes nothing.
+
     Returns a :class:`BlockOpsReport` of what was exercised.
     """
     if not isinstance(ops, int) or ops < 1:
@@ -467,7 +468,7 @@ def _unit_checks(cls):
 
 def _engine_allocator_run(allocator_cls, model=None, tokenizer=None):
     """Serve three prompts (one with n=2 sampled completions: a fork and copy-on-write) on a
-    pool small enough to preempt; -> (token lists per completion, preemptions, forks)."""
+    pool small enough to preempt; -> (token lists per completion, preemptions)."""
     from ..engine import LLM, SamplingParams
 
     model, tokenizer = _smollm2(model, tokenizer)

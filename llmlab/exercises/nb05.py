@@ -181,7 +181,7 @@ def _solution_schedule(sched: Scheduler, now: float) -> SchedulerOutput:
     return out
 
 
-def _variant(ignore_budget=False, drop=False, ignore_seats=False, static=False):
+def _variant(ignore_budget=False, drop=False, ignore_seats=False, static=False, oldest=False):
     """The solution with one realistic mistake switched on."""
 
     def schedule(sched, now):
@@ -191,7 +191,7 @@ def _variant(ignore_budget=False, drop=False, ignore_seats=False, static=False):
             if seq not in sched.running:
                 continue
             while not bm.can_append(seq.seq_id):
-                victim = sched.running[-1]
+                victim = sched.running[0 if oldest else -1]
                 bm.free(victim.seq_id)
                 sched.running.remove(victim)
                 if not drop:
@@ -335,6 +335,10 @@ def _unit_checks(schedule):
                      "your step preempted nobody.",
                      "while not sched.bm.can_append(seq.seq_id): preempt the newest running "
                      "sequence.")
+    if out.preempted[0] is old:
+        return wrong(f"your step preempted sequence {old.seq_id}, the oldest running one; "
+                     f"preempt the newest ({new.seq_id}): it has the least work to redo, and "
+                     "the oldest keeps its progress.", "the newest is sched.running[-1].")
     if b.where(new) == "nowhere":
         return wrong(f"sequence {new.seq_id} was preempted but is neither running nor waiting: "
                      "its request is lost. Preempting by recompute keeps the request.",
@@ -350,7 +354,7 @@ def _unit_checks(schedule):
         return wrong(f"after preempting, your step scheduled "
                      f"{[s.seq.seq_id for s in out.scheduled]}; expected the older sequence "
                      f"{old.seq_id} to decode with the freed block.",
-                     "preempt the newest (sched.running[-1]); the oldest keeps its progress.")
+                     "once the block fits, decode_one(sched, seq, out).")
     return None
 
 
@@ -458,6 +462,7 @@ def _alone(prompts, outs):
               "preempts by dropping the request": (_variant(drop=True), ("lost",)),
               "admits beyond max_num_seqs": (_variant(ignore_seats=True), ("max_num_seqs",)),
               "static: waits for the whole batch": (_variant(static=True), ("static",)),
+              "preempts the oldest": (_variant(oldest=True), ("newest",)),
           })
 def _check_schedule(schedule):
     """``schedule(sched, now) -> SchedulerOutput``, the engine's continuous step."""

@@ -357,16 +357,16 @@ def _check_predict_drops(answer, measured: float | None = None):
 # ---- 4. explain: a balance loss near uniform with a lopsided load --------------------------------
 
 _BALANCE = {
-    "a": "No: the loss is averaged over the layers, but the lopsided layers are many, not one, "
+    "a": "the loss is averaged over the layers, but the lopsided layers are many, not one, "
          "and each layer's own loss is also close to 0.010.",
-    "b": "Right: the loss is α·N·Σᵢ fᵢ·Pᵢ. This untrained router's probabilities are nearly "
+    "b": "the loss is α·N·Σᵢ fᵢ·Pᵢ. This untrained router's probabilities are nearly "
          "flat (every expert's mean probability Pᵢ is close to 1/8), so Σᵢ fᵢ·Pᵢ is an average "
          "of nearly equal numbers, about 1/N whatever the counts fᵢ are: the value barely moves. "
          "Its gradient with respect to Pᵢ is fᵢ, which is lopsided, so training still pushes the "
          "busy experts' probabilities down; the loss grows only as the router grows confident.",
-    "c": "No: the loss is computed exactly from every token's routing; a short text makes the "
+    "c": "the loss is computed exactly from every token's routing; a short text makes the "
          "counts noisy, not the formula wrong.",
-    "d": "No: fᵢ counts all k = 2 assignments of every token, not only the first choices.",
+    "d": "fᵢ counts all k = 2 assignments of every token, not only the first choices.",
 }
 
 

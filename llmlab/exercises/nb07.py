@@ -386,15 +386,15 @@ def _check_valid_degrees(degrees):
 # ---- 6. explain: why tp = 3 is slower on this CPU ----------------------------------------------
 
 _SLOWER = {
-    "a": "No: each rank multiplies by a third of every weight matrix, so the arithmetic per "
+    "a": "each rank multiplies by a third of every weight matrix, so the arithmetic per "
          "rank shrinks by 3; the total work is the same as one process's.",
-    "b": "Right: a 2 KiB message should take microseconds, but every all-reduce waits until all "
+    "b": "a 2 KiB message should take microseconds, but every all-reduce waits until all "
          "three ranks reach it, and three single-threaded ranks share two cores, so one rank is "
          "always waiting for a core; that latency is paid 61 times per token. Meanwhile one "
          "process with two threads already uses both cores for every matmul.",
-    "c": "No: the messages are tiny (one hidden vector, 2 KiB in float32): 61 of them are "
+    "c": "the messages are tiny (one hidden vector, 2 KiB in float32): 61 of them are "
          "about 140 KiB per token, nothing for memory or a socket to carry; time, not bytes, is the cost.",
-    "d": "No: each rank reads a third of the weights, so the weights fit a cache better, not worse.",
+    "d": "each rank reads a third of the weights, so the weights fit a cache better, not worse.",
 }
 
 

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -94,14 +95,17 @@ def time_allreduce(sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -
 
 def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
     """Least-squares fit of median time = latency + bytes / bandwidth over ``rows`` (from
-    :func:`time_allreduce`); returns (latency in µs, bandwidth in GB/s)."""
+    :func:`time_allreduce`); returns (latency in µs, bandwidth in GB/s). The bandwidth is
+    ``math.inf`` when the time does not grow with the message size (within the noise, all
+    of it is latency)."""
     if len(rows) < 2:
         raise ValueError(f"need at least 2 message sizes to fit, got {len(rows)}")
     b = torch.tensor([float(r["bytes"]) for r in rows], dtype=torch.float64)
     t = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
     a = torch.stack([torch.ones_like(b), b], dim=1)
     latency, per_byte = torch.linalg.lstsq(a, t[:, None]).solution[:, 0].tolist()
-    per_byte = max(per_byte, 1e-12)  # µs per byte; guard a noisy negative slope
+    if per_byte <= 0:  # µs per byte: no growth with size
+        return float(t.mean()), math.inf
     return latency, 1e-3 / per_byte  # bytes per µs are MB/s; / 1e3 gives GB/s
 
 

@@ -53,16 +53,16 @@ def forward_step_times(model, lengths: list[int], repeats: int = 5,
                        batch: int = 1) -> list[Timing]:
     """A no-cache generation step at each sequence length n: one forward over ``batch`` × n
     tokens (logits for the last one only; the same work as a prefill of n tokens),
-    ``repeats`` timed runs after a warm-up."""
+    ``repeats`` timed runs per length after one warm-up run (at the first length)."""
     _check_repeats(repeats)
     _check_batch(batch)
     g = torch.Generator().manual_seed(0)
     out = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         if not isinstance(n, int) or not 1 <= n <= model.config.max_position_embeddings:
             raise ValueError(f"length {n!r} must be an int in 1..{model.config.max_position_embeddings}")
         ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=g).to(model.device)
-        t = time_fn(lambda: model(ids, last_only=True), repeats=repeats, warmup=1,
+        t = time_fn(lambda: model(ids, last_only=True), repeats=repeats, warmup=int(i == 0),
                     device=model.device)
         out.append(Timing(n, list(t.times_s), "no cache"))
     return out
@@ -72,15 +72,16 @@ def forward_step_times(model, lengths: list[int], repeats: int = 5,
 def cached_step_times(model, lengths: list[int], repeats: int = 5,
                       batch: int = 1) -> list[Timing]:
     """A decode step with a KV cache at each sequence length n: one new token per row after
-    n − 1 cached ones, for ``batch`` rows. The cache's K/V stay zero: the step does the same
-    work whatever they hold."""
+    n − 1 cached ones, for ``batch`` rows; ``repeats`` timed runs per length after one warm-up
+    run (at the first length). The cache's K/V stay zero: the step does the same work
+    whatever they hold."""
     from ..cache import ContiguousKVCache
 
     _check_repeats(repeats)
     _check_batch(batch)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=model.device)
     out = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         if not isinstance(n, int) or not 2 <= n <= model.config.max_position_embeddings:
             raise ValueError(f"length {n!r} must be an int in 2..{model.config.max_position_embeddings}")
         cache = ContiguousKVCache.for_model(model, batch, n)
@@ -92,7 +93,7 @@ def cached_step_times(model, lengths: list[int], repeats: int = 5,
             model(ids, positions=cache.begin(1), cache=cache, last_only=True)
             cache.advance()
 
-        t = time_fn(step, repeats=repeats, warmup=1, device=model.device)
+        t = time_fn(step, repeats=repeats, warmup=int(i == 0), device=model.device)
         out.append(Timing(n, list(t.times_s), "KV cache"))
     return out
 
@@ -199,16 +200,17 @@ def operator_medians(fn, repeats: int = 5, row_limit: int = 8) -> list[dict]:
 
 def parts_by_length(model, lengths: list[int], repeats: int = 5) -> dict[int, dict]:
     """Per length n: the median seconds of each part of one forward over n tokens
-    (:func:`llmlab.profiling.breakdown.time_by_part`, ``repeats`` runs after a warm-up),
-    and the runs' totals under the key ``"_totals"``."""
+    (:func:`llmlab.profiling.breakdown.time_by_part`, ``repeats`` runs per length after one
+    warm-up run), and the runs' totals under the key ``"_totals"``."""
     from ..profiling.breakdown import time_by_part
 
     _check_repeats(repeats)
     g = torch.Generator().manual_seed(0)
     out = {}
-    for n in lengths:
+    for i, n in enumerate(lengths):
         ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(model.device)
-        time_by_part(model, ids)   # warm-up
+        if i == 0:
+            time_by_part(model, ids)   # warm-up
         runs = [time_by_part(model, ids) for _ in range(repeats)]
         parts = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         parts["_totals"] = [sum(r.values()) for r in runs]

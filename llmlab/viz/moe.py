@@ -112,20 +112,36 @@ def _summary(times_ms: list[float]) -> tuple[float, float, float]:
 
 def measure_dispatch(tokens: list[int], experts: list[int], fixed_tokens: int = 128,
                      shape: dict | None = None, repeats: int = 5,
-                     strategies_by_experts: tuple[str, ...] = ("dense", "grouped")):
-    """Time one MoE layer per dispatch strategy: ``repeats`` timed runs after one warm-up.
+                     strategies_by_experts: tuple[str, ...] = ("dense", "grouped"),
+                     threads: int | None = 1):
+    """Time one MoE layer per dispatch strategy: ``repeats`` timed runs after one warm-up,
+    on ``threads`` torch threads (1 by default: steadier on a shared machine; None keeps
+    torch's setting).
 
     Returns (token_rows, expert_rows). A token row is {"tokens", "<strategy> ms": [runs]} for
     8 experts, top-2 and each token count; an expert row is {"experts", "tokens",
     "<strategy> µs/token": [runs]} for ``fixed_tokens`` tokens, top-2 and each expert count.
     ``shape`` is {"hidden", "inter"} (default: Mixtral 8x7B's layer scaled down 8×).
     """
-    from ..bench.moe import CPU_SHAPE, MoELayerCase, make_layer
-    from ..profiling import time_fn
+    from ..bench.moe import CPU_SHAPE
 
     if repeats < 5:
         raise ValueError(f"repeats={repeats}: a median needs at least 5 runs")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads={threads!r} must be a positive int or None")
     shape = dict(CPU_SHAPE if shape is None else shape)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _measure(tokens, experts, fixed_tokens, shape, repeats, strategies_by_experts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(tokens, experts, fixed_tokens, shape, repeats, strategies_by_experts):
+    from ..bench.moe import MoELayerCase, make_layer
+    from ..profiling import time_fn
 
     def runs(layer, x, name):
         layer.dispatch = name

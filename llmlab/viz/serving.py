@@ -155,8 +155,8 @@ def dry_run(prompt_lens: list[int], output_lens: list[int],
     for step in range(max_steps):
         if not sched.has_unfinished():
             break
-        seats = sched.occupancy(max_num_seqs)
         out = sched.schedule(float("inf"))
+        seats = sched.occupancy(max_num_seqs)        # after scheduling, as the engine records
         if out.is_empty:
             raise SchedulerStall(f"step {step}: nothing was scheduled while "
                                  f"{len(sched.waiting)} request(s) waited and "

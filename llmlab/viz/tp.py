@@ -81,8 +81,10 @@ def plot_allreduce(rows_by_tp: dict[int, list[dict]], mark_bytes: int | None = N
         if fit and tp in fit:
             lat, gbps = fit[tp]
             xs = np.geomspace(x.min(), x.max(), 50)
+            what = (f"{lat:.0f} µs + bytes / {gbps:.2g} GB/s" if np.isfinite(gbps)
+                    else f"{lat:.0f} µs, no measurable cost per byte")
             ax.plot(xs, lat + xs / (gbps * 1e3), "--", color=line[0].get_color(), lw=1,
-                    label=f"fit: {lat:.0f} µs + bytes / {gbps:.2g} GB/s")
+                    label=f"fit: {what}")
     ax.set_xscale("log")
     ax.set_ylim(0, top * 1.15)
     if mark_bytes:

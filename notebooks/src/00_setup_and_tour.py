@@ -73,7 +73,9 @@ print(f"q_proj of layer 0: {len(distinct)} blocks of 32 weights sampled, "
 # ## One chat completion
 #
 # The tokenizer carries the model's chat template; `llmlab.generate` wraps the prompt as a user
-# turn and decodes greedily (`temperature=0`).
+# turn and decodes greedily (`temperature=0`). `kv_cache="contiguous"` keeps each token's keys and
+# values instead of recomputing them at every step — notebook 01 measures the loop without it,
+# notebook 02 builds it.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -84,19 +86,19 @@ print(tok.decode(chat_ids))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-out = llmlab.generate(model, tok, prompt, max_new_tokens=24)
+out = llmlab.generate(model, tok, prompt, max_new_tokens=24, kv_cache="contiguous")
 print(out.text)
 print("tokens:", out.token_ids)
 print("finish:", out.finish_reason)
 
 # %% [markdown]
 # Two latencies describe a generation: the **time to first token** (TTFT: the prompt is read and the
-# first token produced) and the **time per output token** after it (TPOT). Five runs of 16 tokens,
-# median and range (this is the plain baseline loop; notebooks 01 and 02 take it apart):
+# first token produced) and the **time per output token** after it (TPOT). Five runs of 8 tokens
+# after a warm-up, median and range (notebooks 01 and 02 take these numbers apart):
 
 # %%
-runs = [llmlab.generate(model, tok, prompt, max_new_tokens=16, ignore_eos=True).metrics
-        for _ in range(6)][1:]                                  # the first run is a warm-up
+runs = [llmlab.generate(model, tok, prompt, max_new_tokens=8, ignore_eos=True,
+                        kv_cache="contiguous").metrics for _ in range(6)][1:]   # run 0: warm-up
 ttft = [m.ttft_s * 1e3 for m in runs]
 tpot = [m.tpot_s * 1e3 for m in runs]
 print(f"on {describe()['device']}, median of {len(runs)} runs (min–max):")

@@ -197,7 +197,7 @@ print(f"max |Δ logits| over real tokens = {err:.1e}, below 1e-3: {err < 1e-3}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
-N_NEW = 16 if QUICK else 40
+N_NEW = 8 if QUICK else 16
 question = "Explain in two sentences why the sky is blue."
 no_cache = llmlab.generate(model, tok, question, max_new_tokens=N_NEW, ignore_eos=True)
 cached = llmlab.generate(model, tok, question, max_new_tokens=N_NEW, ignore_eos=True,
@@ -217,7 +217,7 @@ print(repr(cached.text[:70]))
 from llmlab.viz.baseline import (cached_step_times, fit_exponent, fit_line, forward_step_times,
                                  generation_totals, plot_generation_totals, plot_step_times)
 
-lengths = [8, 64, 128, 192, 256, 320] if QUICK else [8, 32, 64, 128, 192, 256, 320]
+lengths = [8, 84, 168] if QUICK else [8, 40, 84, 126, 168]
 no_cache_steps = forward_step_times(model, lengths, repeats=5)
 cache_steps = cached_step_times(model, lengths, repeats=5)
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=80)
@@ -230,9 +230,9 @@ for rows in (no_cache_steps, cache_steps):
 a, b = fits["no cache"]
 print(f"a no-cache step's per-token part (b·n) outgrows its fixed part (a) at n ≈ {a / b:.0f} tokens")
 
-# A generation of T = 300 tokens after an 8-token prompt, built from these medians: token t
+# A generation of T = 160 tokens after an 8-token prompt, built from these medians: token t
 # costs the step at length 8 + t (no cache), or the prefill and then decode steps (cache).
-P, T = 8, 300
+P, T = 8, 160
 t_axis = np.arange(1, T + 1)
 totals = {"no cache": generation_totals(no_cache_steps, P, T, cached=False),
           "KV cache": generation_totals(cache_steps, P, T, cached=True, prefill=no_cache_steps[0])}
@@ -243,11 +243,12 @@ plot_generation_totals(t_axis, totals, passes, ax=a2,
 fig.suptitle(device_name(), fontsize=9)
 fig.tight_layout()
 plt.show()
-window = slice(99, T)   # T = 100 … 300
+window = slice(T // 2 - 1, T)   # the second half: T = 80 … 160
 for label, tot in totals.items():
     print(f"{label:>9}: {tot[-1]:5.1f} s for {T} tokens; total time ∝ T^"
           f"{fit_exponent(t_axis[window], tot[window]):.2f}, token-passes ∝ T^"
-          f"{fit_exponent(t_axis[window], passes[label][window]):.2f} (fits over T = 100…300)")
+          f"{fit_exponent(t_axis[window], passes[label][window]):.2f} "
+          f"(fits over T = {T // 2}…{T})")
 print(f"the cache makes the whole generation {totals['no cache'][-1] / totals['KV cache'][-1]:.1f}× "
       f"faster at T = {T}")
 
@@ -257,7 +258,8 @@ print(f"the cache makes the whole generation {totals['no cache'][-1] / totals['K
 # count, dashed); with the cache a step costs about the same at every length and the total grows
 # linearly. Below the length printed above, a no-cache step's fixed part (reading the weights,
 # per-operator overheads) outweighs its per-token part, and the quadratic hides: a 40-token
-# generation looks almost linear, which is why this plot goes to 300 tokens.
+# generation looks almost linear, which is why this plot uses a short prompt and goes to 160
+# tokens.
 #
 # TTFT and TPOT from the same medians: both start with the same prompt forward; the cache wins on
 # every later token.
@@ -331,10 +333,10 @@ my_prediction = ...   # YOUR ANSWER: "a", "b" or "c"
 # %%
 CONTEXT = 128
 batches = [1, 4] if QUICK else [1, 4, 16]
-prefill = forward_step_times(model, [CONTEXT], repeats=5)[0]
+prefill = forward_step_times(model, [64], repeats=5)[0]
 decodes = {b: cached_step_times(model, [CONTEXT + 1], repeats=5, batch=b)[0] for b in batches}
 timings = [prefill] + list(decodes.values())
-costs = [prefill_cost(cfg, 1, CONTEXT)] + [decode_cost(cfg, b, CONTEXT) for b in batches]
+costs = [prefill_cost(cfg, 1, 64)] + [decode_cost(cfg, b, CONTEXT) for b in batches]
 points = [RooflinePoint(c, t.median_s) for c, t in zip(costs, timings)]
 for p, t in zip(points, timings):
     print(f"{p.label:>22}: {p.seconds * 1e3:7.1f} ms (min {t.lo_s * 1e3:.1f}, max {t.hi_s * 1e3:.1f}), "

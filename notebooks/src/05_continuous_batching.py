@@ -231,8 +231,9 @@ for policy in ("continuous", "static"):
 # 3. llmlab `scheduler="continuous"`;
 # 4. the same with chunked prefill (below).
 #
-# The first 8 requests, 4 seats, every output length scaled by 1/10 (their spread, which is what
-# static batching pays for, is kept) so that one round takes a few seconds; the prefix cache is
+# The first 8 requests with prompts of at most 64 tokens, 4 seats, every output length scaled by
+# 1/10 (their spread, which is what static batching pays for, is kept) so that one round takes a
+# few seconds; the prefix cache is
 # off, so every round computes the same work. Five rounds with the systems interleaved, after a
 # warm-up; the bars are medians, the whiskers min–max. `python -m llmlab.bench serve` runs all 80
 # requests at full length.
@@ -247,7 +248,8 @@ from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
 N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (8, 4, 5)
-part = load_trace(TRACE, N, tokenizer=tok, output_scale=0.1)
+part = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.1)
+        if len(r.prompt_token_ids) <= 64][:N]
 hf = AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")), dtype=torch.float32).eval()
 engine_args = dict(max_num_seqs=SEATS, num_blocks=128, enable_prefix_caching=False)
 engines = {"llmlab static": LLM(model, tok, scheduler="static", **engine_args),

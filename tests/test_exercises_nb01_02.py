@@ -1,0 +1,106 @@
+"""The build exercises of notebooks 01 and 02 beyond the registry's generic checks: the
+backend adapter, the cache skeleton's bookkeeping, the diagnoses, and that a check leaves
+the model and the registries as it found them, even when the student's code fails."""
+import math
+
+import pytest
+import torch
+
+from llmlab import attention as A
+from llmlab import cache as kv_caches
+from llmlab import exercises
+from llmlab.exercises import nb01, nb02
+
+
+def test_as_backend_transposes_and_refuses_what_it_cannot_do():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 16, generator=g)              # [batch, seq, heads, d]
+    k = torch.randn(2, 5, 2, 16, generator=g)
+    fwd = nb01.as_backend(nb01._solution_naive_attention)
+    want = A.get("naive").forward(q, k, k, causal=True)
+    assert torch.allclose(fwd(q, k, k, causal=True), want, atol=1e-6)
+    assert torch.allclose(fwd(q, k, k, causal=True, key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+                          want, atol=1e-6)
+    pad = torch.ones(2, 5, dtype=torch.bool)
+    pad[0, 0] = False
+    with pytest.raises(ValueError, match="left-padded"):
+        fwd(q, k, k, causal=True, key_padding_mask=pad)
+    with pytest.raises(ValueError, match="softmax_scale=0.5"):
+        fwd(q, k, k, causal=True, softmax_scale=0.5)
+    assert torch.allclose(fwd(q, k, k, softmax_scale=1 / math.sqrt(16)), want, atol=1e-6)
+    padded = nb01.as_backend(nb01._solution_padded_attention, padded=True)
+    want = A.get("naive").forward(q, k, k, causal=True, key_padding_mask=pad)
+    assert torch.allclose(padded(q, k, k, key_padding_mask=pad)[1], want[1], atol=1e-6)
+
+
+def test_naive_attention_diagnoses_a_mask_applied_without_causal():
+    def always_masked(q, k, v, causal=True):
+        return nb01._solution_naive_attention(q, k, v, causal=True)
+
+    v = exercises.check("nb01.naive_attention", always_masked)
+    assert not v.passed and "causal=False" in v.message
+
+
+def test_a_failure_inside_the_model_leaves_model_and_registry_clean():
+    def breaks_at_full_size(q, k, v, causal=True):
+        if q.shape[-1] != 16:            # the small cases use d = 16, SmolLM2 d = 64
+            raise RuntimeError("only small tensors")
+        return nb01._solution_naive_attention(q, k, v, causal)
+
+    v = exercises.check("nb01.naive_attention", breaks_at_full_size)
+    assert not v.passed and "only small tensors" in v.message
+    assert "nb01-yours" not in A.available()
+    model, _ = nb01.smollm2()
+    assert {layer.self_attn.backend.name for layer in model.layers} == {"naive"}
+
+
+def test_cache_skeleton_bookkeeping():
+    c = nb02.KVCacheBase(num_layers=2, batch=3, num_kv_heads=2, head_dim=4, max_len=6)
+    assert [tuple(t.shape) for t in c.k] == [(3, 2, 6, 4)] * 2 and c.length == 0
+    assert c.begin(4).tolist() == [[0, 1, 2, 3]] * 3 and c.pending == 4
+    c.length = 4
+    assert c.begin(2).tolist() == [[4, 5]] * 3
+    with pytest.raises(ValueError, match="do not fit"):
+        c.begin(3)
+    with pytest.raises(ValueError, match="num_new=0"):
+        c.begin(0)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    c.begin(2, mask)                                   # all real: accepted
+    mask[1, 0] = False
+    with pytest.raises(ValueError, match="unpadded rows only"):
+        c.begin(2, mask)
+    with pytest.raises(ValueError, match="max_len=0"):
+        nb02.KVCacheBase(1, 1, 1, 4, 0)
+    for call in (lambda: c.append(0, None, None), lambda: c.attend(0, None, None, None, None),
+                 c.advance):
+        with pytest.raises(NotImplementedError):
+            call()
+
+
+def test_kv_cache_check_says_not_yet_for_the_shipped_skeleton_and_cleans_up():
+    class Unwritten(nb02.KVCacheBase):
+        pass
+
+    v = exercises.check("nb02.kv_cache", Unwritten)
+    assert not v.passed and "NotImplementedError" in v.message
+    v = exercises.check("nb02.kv_cache", nb02._SolutionKVCache(1, 1, 1, 4, 4))   # an instance
+    assert not v.passed and "class itself" in v.message
+
+    class WrongAtFullSize(nb02._SolutionKVCache):      # right on small tensors, wrong in SmolLM2
+        def attend(self, layer_idx, q, k, v, backend):
+            out = super().attend(layer_idx, q, k, v, backend)
+            return out if q.shape[-1] != 64 else out.roll(1, dims=2)   # heads mixed up
+
+    v = exercises.check("nb02.kv_cache", WrongAtFullSize)
+    assert not v.passed and "kv_cache=\"none\"" in v.message and "token" in v.message
+    assert "nb02-yours" not in kv_caches.available()
+    model, _ = nb01.smollm2()
+    assert {layer.self_attn.backend.name for layer in model.layers} == {"naive"}
+
+
+def test_step_ratio_uses_medians_of_the_windows():
+    times = [0.5] + [0.5 + 0.1 * i for i in range(1, 11)]       # 10 steps of 0.1 s
+    times[3] += 5.0                                              # one spike early on
+    times[4:] = [t + 5.0 for t in times[4:]]                     # (shifts every later arrival)
+    early, late, ratio = nb02._step_ratio(times, 3)
+    assert early == pytest.approx(0.1) and late == pytest.approx(0.1) and ratio == pytest.approx(1.0)
