@@ -28,7 +28,6 @@ from llmlab.attention.paged import (attend_paged, check_paged_args, paged_attent
                                     prepare_paged_batch, takes_max_seqlen)
 from llmlab.engine import LLM, SamplingParams
 from llmlab.models.llama import CausalLM
-
 from llmlab.prompts import encode_prompts
 
 from .conftest import model_tolerance, rel_err

@@ -1,6 +1,7 @@
 """python -m llmlab.bench decode [--quick] [--gpu]: greedy decoding, with and without a KV cache, against HF.
 
-smollm2-135m, float32, a 32-token prompt, 128 new tokens generated past any
+smollm2-135m in the device's default dtype (float32 on CPU, bfloat16 on a GPU; HF gets the
+same dtype), a 32-token prompt, 128 new tokens generated past any
 end-of-sequence token (``ignore_eos``, so every run does the same work), batch 1 and 8.
 Three generators in one run: llmlab without a cache (the O(T²) baseline; at batch 8 it
 generates fewer tokens, said in the table), llmlab with the contiguous KV cache, and HF
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from ..device import default_dtype
 from ._common import header, save, table
 
 PROMPT_LEN, NEW_TOKENS = 32, 128
@@ -99,11 +101,11 @@ def bench(batches: list[int], new_tokens: int, no_cache_tokens: dict[int, int], 
     tok = llmlab.load_tokenizer("smollm2-135m")
     model = llmlab.load_model("smollm2-135m", attention=attention, device=device)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")),
-                                              dtype=torch.float32).to(device).eval()
+                                              dtype=model.dtype).to(device).eval()
     wbytes = weight_bytes(model.config, 4)
     bw = measure_bandwidth(device=device)
     print(f"   measured copy bandwidth: {bw / 1e9:.1f} GB/s; weights read per decode step: "
-          f"{wbytes / 1e6:.0f} MB (float32); llmlab attention backend: {attention}")
+          f"{wbytes / 1e6:.0f} MB ({str(model.dtype).removeprefix('torch.')}); llmlab attention backend: {attention}")
 
     # warm-up: first calls pay one-off costs (allocator, thread pools, lazy imports)
     warm = prompts(tok, 1)
@@ -186,7 +188,7 @@ def main(argv: list[str]) -> int:
     if args.quick:
         new, repeats = 32, 1
         no_cache = {b: min(n, 16) for b, n in no_cache.items()}
-    header(f"decode: smollm2-135m, float32, greedy, {PROMPT_LEN}-token prompt, {new} new tokens")
+    header(f"decode: smollm2-135m, {str(default_dtype(device)).removeprefix('torch.')}, greedy, {PROMPT_LEN}-token prompt, {new} new tokens")
     payload = bench(batches, new, no_cache, repeats, device, args.attention)
     save("decode" + ("_gpu" if args.gpu else ""), payload)
     return 0

@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir(args.model)),
-                                                  dtype=torch.float32).to(args.device).eval()
+                                                  dtype=model.dtype).to(args.device).eval()
     chunked = f"llmlab continuous, chunked prefill ({args.chunk_budget} tokens/step)"
     systems = ([HF_NAME] if hf is not None else []) + [STATIC, CONT] \
         + ([chunked] if args.chunk_budget else [])

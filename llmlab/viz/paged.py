@@ -242,12 +242,12 @@ def _median_and_spread(samples):
 
 
 def plot_prefix_cache(ttft_cold: Sequence, ttft_warm: Sequence, hit_rate: float,
-                      cached_tokens: Sequence[int] | None = None):
+                      cached_tokens: Sequence[int] | None = None, ylabel: str = "TTFT (ms)"):
     """Time to first token per request, without and with the prefix cache.
 
     Each entry is a time in seconds or a list of repeated measurements (then the bar is
     the median and the error bar min–max). ``cached_tokens`` labels each request with the
-    prompt tokens its cache hit served."""
+    prompt tokens its cache hit served; ``ylabel`` names what was timed (milliseconds)."""
     fig, ax = plt.subplots(figsize=(7, 3.0), dpi=80)
     n = len(ttft_cold)
     for off, runs, label, colour in ((-0.2, ttft_cold, "no prefix cache", "#999999"),
@@ -262,7 +262,7 @@ def plot_prefix_cache(ttft_cold: Sequence, ttft_warm: Sequence, hit_rate: float,
              for i, c in enumerate(cached_tokens or [0] * n)]
     ax.set_xticks(range(n), names)
     ax.set_xlabel("request (same system prompt, different question)")
-    ax.set_ylabel("TTFT (ms)")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -19,7 +19,6 @@
 import os
 
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
 
 import llmlab

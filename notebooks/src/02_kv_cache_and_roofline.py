@@ -347,15 +347,22 @@ plot_roofline(ceil, points, title=f"roofline, measured (median of 5): {device_na
 plt.show()
 
 # %%
+longer = next(n for n in range(1, 4097) if prefill_cost(cfg, 1, n).intensity >= ceil.ridge_point)
+print(f"ridge point {ceil.ridge_point:.1f} FLOP/byte: the 64-token prefill sits "
+      f"{'right' if points[0].intensity >= ceil.ridge_point else 'left'} of it; a prefill is "
+      f"past it from {longer} prompt tokens on (model)")
 ratio = decodes[batches[-1]].median_s / decodes[1].median_s
 print(f"decode step, batch {batches[-1]} / batch 1: {ratio:.2f}× the time for {batches[-1]}× the tokens")
 exercises.check("nb02.predict_batch_decode", my_prediction, measured=ratio)
 
 # %% [markdown]
 # More sequences per step reuse each weight read (the GEMV becomes a skinny GEMM), and the point
-# climbs toward the compute roof. The prefill is far to the right already. The printed shares of
-# the roof say how close each gets on this machine; on a GPU, whose ridge point is in the hundreds
-# of FLOP/byte, batch-1 decode is even further below it.
+# climbs toward the compute roof. A prefill reuses each weight for all its prompt tokens, so it sits
+# far to the right of every decode point, past the ridge for prompts longer than the length printed
+# above. The printed shares of the roof say how close each gets on this machine. On a GPU the ridge
+# point is far higher — an H100 SXM's datasheet gives about 990 TFLOP/s of dense bfloat16 over
+# 3.35 TB/s, ≈ 300 FLOP/byte (a spec-sheet model, not measured here) — so batch-1 decode sits even
+# further below it, and batching matters even more.
 
 # %% [markdown]
 # ## Play: batch size and sequence length
@@ -434,5 +441,6 @@ exercises.check("nb02.padded_kv_cache", MyPaddedKVCache)
 # - Kwon et al. *Efficient Memory Management for Large Language Model Serving with PagedAttention.* SOSP 2023. [arXiv:2309.06180](https://arxiv.org/abs/2309.06180)
 # - Ainslie et al. *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints.* EMNLP 2023. [arXiv:2305.13245](https://arxiv.org/abs/2305.13245)
 # - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - NVIDIA H100 product page (bandwidth, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
 # - Zhong et al. *DistServe* (TTFT and TPOT as service objectives). OSDI 2024. [arXiv:2401.09670](https://arxiv.org/abs/2401.09670)
 # - All references of the workbook: [REFERENCES.md](REFERENCES.md)

@@ -1,0 +1,208 @@
+"""llmlab.quant: formats, the Q4_1 round-trip proof, kernels against the reference, the
+quantized model end to end, and the quality evaluation."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import llmlab
+from llmlab import quant
+from llmlab.models.registry import model_dir
+from llmlab.quant import eval as qeval
+from llmlab.quant import formats
+
+SMOLLM2 = model_dir("smollm2-135m") / "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """A few real SmolLM2 linear weights, as loaded from the shipped float32 file."""
+    if not SMOLLM2.exists():
+        pytest.skip("smollm2-135m is not fetched")
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.7.mlp.down_proj.weight", "model.layers.15.self_attn.o_proj.weight",
+             "model.layers.29.mlp.gate_proj.weight", "model.layers.29.mlp.up_proj.weight"]
+    with safe_open(str(SMOLLM2), "pt") as f:
+        return {n: f.get_tensor(n) for n in names}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llmlab.load_model("tiny-llama", attention="sdpa")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return llmlab.load_tokenizer("tiny-llama")
+
+
+# -- the round-trip proof ------------------------------------------------------------------
+
+def test_q4_1_round_trip_of_shipped_weights_is_exact(shipped):
+    for name, w in shipped.items():
+        back = quant.q4_1_dequantize(quant.q4_1_quantize(w))
+        err = (back - w).abs().max().item()
+        assert err <= 1e-6, f"{name}: Q4_1 round trip off by {err}"
+
+
+def test_q4_1_round_trip_with_wrong_block_layout_is_not_exact(shipped):
+    # blocks along the output dimension (the transpose) group weights that were never
+    # quantized together: the codes no longer land on the grid
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight"]:
+        wt = shipped[name].T.contiguous()
+        err = (quant.q4_1_dequantize(quant.q4_1_quantize(wt)) - wt).abs().max().item()
+        assert err > 1e-3, f"{name}: blocks along the output dim round-trip to {err}"
+    # and blocks shifted by half a block along the input dimension
+    w = shipped["model.layers.29.mlp.up_proj.weight"][:, 16:-16].contiguous()
+    err = (quant.q4_1_dequantize(quant.q4_1_quantize(w)) - w).abs().max().item()
+    assert err > 1e-3
+
+
+def test_q4_1_layout_matches_gguf_bytes():
+    torch.manual_seed(0)
+    w = torch.randn(2, 64)
+    b = quant.q4_1_quantize(w)
+    raw = b.to_bytes()
+    assert len(raw) == 2 * 2 * 20                        # 20 bytes per block of 32
+    first = torch.frombuffer(bytearray(raw[:20]), dtype=torch.uint8)
+    assert first[:2].view(torch.float16).item() == b.d[0, 0].item()
+    assert first[2:4].view(torch.float16).item() == w[0, :32].min().half().item()
+    codes = b.codes()
+    assert int(first[4]) == int(codes[0, 0]) | (int(codes[0, 16]) << 4)  # weight j and j+16
+    # the smallest weight of a block is code 0, the largest code 15
+    assert codes[0, :32][w[0, :32].argmin()] == 0 and codes[0, :32][w[0, :32].argmax()] == 15
+
+
+def test_q4_1_matches_gguf_reference_quantizer():
+    gquants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+    torch.manual_seed(1)
+    w = torch.randn(8, 96) * 0.05
+    ours = quant.q4_1_quantize(w).to_bytes()
+    theirs = gquants.quantize(w.numpy(), GGMLQuantizationType.Q4_1).tobytes()
+    assert ours == theirs
+    deq = gquants.dequantize(gquants.quantize(w.numpy(), GGMLQuantizationType.Q4_1),
+                             GGMLQuantizationType.Q4_1)
+    assert torch.equal(quant.q4_1_dequantize(quant.q4_1_quantize(w)), torch.from_numpy(deq))
+
+
+# -- formats -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 64), (2, 32)])
+def test_group_quantize_error_is_within_half_a_step(bits, group):
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    q, d, m = quant.group_quantize(w, bits=bits, group_size=group)
+    assert q.max() <= 2 ** bits - 1 and d.shape == (16, 128 // group)
+    err = (quant.group_dequantize(q, d, m) - w).abs()
+    step = d.repeat_interleave(group, dim=1)
+    assert (err <= step / 2 + 1e-6).all()
+
+
+def test_int8_and_fp8_errors_are_small():
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    q, s = quant.int8_quantize(w)
+    assert q.dtype == torch.int8 and (q.abs() <= 127).all()
+    assert ((quant.int8_dequantize(q, s) - w).abs() <= s[:, None] / 2 + 1e-6).all()
+    w8, s8 = quant.fp8_quantize(w)
+    rel = ((quant.fp8_dequantize(w8, s8) - w).abs() / w.abs().clamp_min(1e-3)).median()
+    assert rel < 0.04   # e4m3: 3 mantissa bits, relative step 1/16, median error well under
+
+
+def test_bad_inputs_name_the_value(tiny):
+    with pytest.raises(ValueError, match="'int3'.*allowed"):
+        llmlab.quantize(tiny, "int3")
+    with pytest.raises(ValueError, match="group_size=48.*allowed"):
+        llmlab.quantize(tiny, "int4", group_size=48)
+    with pytest.raises(ValueError, match="lm_head='int4'"):
+        llmlab.quantize(tiny, "int8", lm_head="int4")
+    with pytest.raises(ValueError, match="bits=9"):
+        quant.group_quantize(torch.randn(4, 32), bits=9)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.q4_1_quantize(torch.randn(4, 40))
+
+
+# -- kernels against the reference -----------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_packed_kernel_matches_dequantized_reference(scheme, rows):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    layer = quant.linear.Int8Linear(w) if scheme == "int8" else \
+        quant.GroupLinear(w, group_size=32, q4_1=scheme == "q4_1")
+    x = torch.randn(2, rows, 128)
+    ref = torch.nn.functional.linear(x, layer.dequantized_weight())
+    with quant.use_kernels(True):
+        fast = layer(x)
+    assert layer.kernel_forward(x) is not None, "the packed kernel did not run"
+    # the kernel rounds activations (and the int4 scales) to bfloat16: ~3 significant digits
+    err = (fast - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), err
+    with quant.use_kernels(False):
+        assert torch.equal(layer(x), ref)
+
+
+# -- the quantized model ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1", "fp8"])
+def test_quantize_returns_new_model_and_leaves_original(tiny, tok, scheme):
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    q = llmlab.quantize(tiny, scheme)
+    assert q is not tiny and isinstance(q.layers[0].mlp.up_proj, quant.QuantizedLinear)
+    assert isinstance(tiny.layers[0].mlp.up_proj, torch.nn.Linear)
+    for k, v in tiny.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert quant.weight_nbytes(q) < quant.weight_nbytes(tiny) / (1.8 if scheme == "int8" else 2.5)
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    with torch.inference_mode():
+        lp_ref = torch.log_softmax(tiny(ids), -1)
+        lp = torch.log_softmax(q(ids), -1)
+    kld = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
+    assert kld < 0.05, f"{scheme}: KLD {kld}"
+    out = llmlab.generate(q, tok, ["Hello", "A longer prompt here"], max_new_tokens=4,
+                          kv_cache="contiguous", ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [4, 4]
+
+
+def test_quantized_model_runs_in_the_engine(tiny, tok):
+    q = llmlab.quantize(tiny, "int4")
+    ref = llmlab.generate(q, tok, ["Hello there"], max_new_tokens=6, kv_cache="contiguous",
+                          ignore_eos=True)[0].token_ids
+    llm = llmlab.LLM(q, tok)
+    out = llm.generate(["Hello there"], llmlab.SamplingParams(max_tokens=6, temperature=0,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref
+
+
+def test_lm_head_choice(tiny):
+    q8 = llmlab.quantize(tiny, "int4")
+    q32 = llmlab.quantize(tiny, "int4", lm_head="fp32")
+    assert isinstance(q8.lm_head, quant.Int8Linear)
+    assert q8.embed_tokens.table is q8.lm_head           # tied: stored once
+    assert q32.lm_head.weight is tiny.lm_head.weight     # shared, not copied
+    assert quant.weight_nbytes(q8) < quant.weight_nbytes(q32)
+
+
+# -- evaluation ----------------------------------------------------------------------------
+
+def test_eval_text_is_long_enough():
+    tok = llmlab.load_tokenizer("smollm2-135m")
+    assert len(qeval.eval_token_ids(tok)) >= 2000
+
+
+def test_compare_logits_tells_models_apart(tiny):
+    ids = list(range(3, 70))
+    same = qeval.compare_logits(tiny, {"self": tiny}, ids, window=16)["self"]
+    assert same.kld < 1e-6 and same.top1 == 1.0 and abs(same.ppl - same.ppl_ref) < 1e-3
+    q2 = llmlab.quantize(tiny, "int4", group_size=64)
+    with torch.no_grad():
+        coarse = qeval.compare_logits(tiny, {"int4": q2}, ids, window=16)["int4"]
+    assert coarse.kld > same.kld and coarse.tokens == len(ids) - 1
+
+
+def test_greedy_agreement_counts_the_common_prefix():
+    g = qeval.greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert g.matched == [2, 2] and g.identical == 1 and g.fraction == 4 / 6
