@@ -170,7 +170,7 @@ def test_quantize_returns_new_model_and_leaves_original(tiny, tok, scheme):
 def test_quantized_model_runs_in_the_engine(tiny, tok):
     q = llmlab.quantize(tiny, "int4")
     ref = llmlab.generate(q, tok, ["Hello there"], max_new_tokens=6, kv_cache="contiguous",
-                          ignore_eos=True)[0].token_ids
+                          ignore_eos=True, chat=False)[0].token_ids  # LLM takes raw prompts
     llm = llmlab.LLM(q, tok)
     out = llm.generate(["Hello there"], llmlab.SamplingParams(max_tokens=6, temperature=0,
                                                               ignore_eos=True), use_tqdm=False)

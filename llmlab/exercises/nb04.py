@@ -622,8 +622,8 @@ def _check_predict_waste(answer, measured: float | None = None):
     gap = frac - measured
     if abs(gap) <= 0.10:
         return right(f"you predicted {frac:.0%}, measured {measured:.0%}. The mean request "
-                     "is about 160 + 330 tokens, but each reserves prompt + 1024, so most of "
-                     "what it holds is never written.")
+                     "ends with about 161 + 338 tokens, but each reserves prompt + 1024, so "
+                     "most of what it holds is never written.")
     return wrong(f"you predicted {frac:.0%}, measured {measured:.0%}: off by "
                  f"{abs(gap) * 100:.0f} percentage points ({'too low' if gap < 0 else 'too high'}).",
                  "compare the mean tokens a request ends with (prompt 161 + output 338) with "

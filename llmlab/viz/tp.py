@@ -89,7 +89,7 @@ def plot_allreduce(rows_by_tp: dict[int, list[dict]], mark_bytes: int | None = N
     ax.set_ylim(0, top * 1.15)
     if mark_bytes:
         ax.axvline(mark_bytes, color="gray", ls="--", lw=1)
-        ax.text(mark_bytes * 1.1, top * 0.95, "one hidden vector\n(one token)", fontsize=8, va="top")
+        ax.text(mark_bytes * 1.1, top * 0.05, "one hidden vector\n(one token)", fontsize=8, va="bottom")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("all-reduce time (µs)")
     ax.set_title(f"gloo all-reduce, measured on {device}" if device else "all-reduce, measured", fontsize=9)

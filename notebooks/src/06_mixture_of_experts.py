@@ -329,12 +329,12 @@ for s in ("dense", "grouped"):
 # %% [markdown]
 # Read the printed ratios against two models. **FLOPs**: dense does E/k = 4 times the
 # arithmetic of top-2, so where the matrix multiplies dominate (many tokens) the dense/grouped
-# ratio approaches 4. **Bytes**: with a single token the time goes mostly to reading weights,
-# and dense reads all 8 experts while grouped reads only the 2 chosen ones; from a few dozen
-# tokens on every expert has work, grouped reads them all too, and its advantage shrinks until
-# the FLOPs take over (the GPU model below has the same shape). With many tokens, **loop** and
-# **grouped** run the same per-expert matrix multiplies on a CPU, so their ratio is near 1;
-# with one token, loop still scans the routing table once per expert.
+# ratio approaches 4. **Bytes**: with a single token, dense still runs (and reads the weights
+# of) all 8 experts while grouped touches only the 2 chosen ones, so dense is far slower; from
+# a few dozen tokens on every expert has work, grouped reads them all too, and its advantage
+# shrinks until the FLOPs take over (the GPU model below has the same shape). **loop** and
+# **grouped** run the same per-expert matrix multiplies on a CPU, so neither has a systematic
+# edge here: their printed ratio wanders around 1 with the noise. Grouping pays on a GPU.
 #
 # Holding top-2 and adding experts keeps the FLOPs per token of two experts while the
 # parameters grow (Mixtral's bargain): dense time per token grows with E, grouped much less,
