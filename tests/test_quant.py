@@ -206,3 +206,32 @@ def test_compare_logits_tells_models_apart(tiny):
 def test_greedy_agreement_counts_the_common_prefix():
     g = qeval.greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert g.matched == [2, 2] and g.identical == 1 and g.fraction == 4 / 6
+
+
+# -- the widget callback ---------------------------------------------------------------------
+
+def test_explore_bits_group_reports_the_chosen_cell():
+    from llmlab.viz.quant import explore_bits_group
+    cfg = llmlab.load_model("tiny-llama").config
+    grid = {(b, g): {"kld": 1.0 / 4 ** b, "top1": 1 - 1.0 / 2 ** b,
+                     "bytes": qeval.group_format_bytes(cfg, b, g)}
+            for b in (2, 4, 8) for g in (16, 32, None)}
+    c = explore_bits_group(grid, 4, 32, bandwidth=1e9)
+    assert c.kld == grid[(4, 32)]["kld"] and c.modelled_tok_s == pytest.approx(1e9 / c.weight_bytes)
+    assert c.figure is not None
+    small = explore_bits_group(grid, 4, 16, 1e9, draw=False)
+    assert small.weight_bytes > c.weight_bytes          # more groups, more scales
+    assert explore_bits_group(grid, 8, None, 1e9, draw=False).weight_bytes > c.weight_bytes
+    with pytest.raises(ValueError, match="bits=3"):
+        explore_bits_group(grid, 3, 32, 1e9)
+    import matplotlib.pyplot as plt
+    plt.close("all")
+
+
+def test_group_format_bytes_counts_codes_and_scales():
+    cfg = llmlab.load_model("tiny-llama").config
+    fp32 = qeval.group_format_bytes(cfg, 32, None, head_bytes=4.0)
+    assert fp32 == pytest.approx(quant.weight_nbytes(llmlab.load_model("tiny-llama")), rel=0.01)
+    q4 = qeval.group_format_bytes(cfg, 4, 32)
+    assert quant.weight_nbytes(llmlab.quantize(llmlab.load_model("tiny-llama"), "q4_1")) == \
+        pytest.approx(q4, rel=0.02)

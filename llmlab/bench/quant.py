@@ -29,12 +29,12 @@ TARGETS = {"int8": 1.5, "int4": 2.0}     # batch-1 decode tokens/s over float32'
 KLD_TARGET = {"int8": 1e-3}
 
 
-def _decode_rate(model, ids: list[list[int]], new_tokens: int) -> float:
+def _decode_rate(model, tok, ids: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s: batch × (new_tokens - 1) / (time after the first token)."""
     import llmlab
 
     t0 = time.perf_counter()
-    outs = llmlab.generate(model, None, ids, max_new_tokens=new_tokens, kv_cache="contiguous",
+    outs = llmlab.generate(model, tok, ids, max_new_tokens=new_tokens, kv_cache="contiguous",
                            ignore_eos=True)
     secs = time.perf_counter() - t0
     ttft = outs[0].metrics.ttft_s
@@ -88,14 +88,14 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
     eval_ids = qeval.eval_token_ids(tok)
     prefill_ids = torch.tensor([(eval_ids * 2)[:PREFILL_LEN]])
     for m in models.values():     # warm-up: kernel packing, thread pools, allocator
-        _decode_rate(m, batches[1], 4)
+        _decode_rate(m, tok, batches[1], 4)
         _prefill_rate(m, prefill_ids[:, :32])
 
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(repeats):
         for name, m in models.items():   # interleaved: a noisy minute hits every scheme
             for b, ids in batches.items():
-                samples.setdefault((name, f"decode b{b}"), []).append(_decode_rate(m, ids, new_tokens))
+                samples.setdefault((name, f"decode b{b}"), []).append(_decode_rate(m, tok, ids, new_tokens))
             samples.setdefault((name, "prefill"), []).append(_prefill_rate(m, prefill_ids))
 
     quality = qeval.compare_logits(base, {k: v for k, v in models.items() if k != "fp32"},

@@ -55,7 +55,8 @@ def _check_slot_of(fn):
     """``fn(block_table, position, block_size)`` -> the flat slot of token ``position``."""
     got, none_at = _returns_none(fn, [c[:3] for c in _SLOT_CASES])
     if none_at is not None:
-        return wrong("your function returns None.", "return an int: the slot in the flattened pool.")
+        return wrong("your function returns None.",
+                     "return an int: the slot in the flattened pool.")
     for (table, pos, bs, want), g in zip(_SLOT_CASES, got):
         if g != want:
             hint = ("the logical block is position // block_size and the offset inside it "
@@ -615,7 +616,8 @@ def _check_predict_waste(answer, measured: float | None = None):
     """``answer``: a fraction (0.7) or a percentage (70). Right within 10 points."""
     if measured is None:
         measured = measured_max_len_waste()
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) \
+            or not math.isfinite(answer):
         return wrong(f"the prediction should be a number, got {answer!r}.",
                      "a fraction such as 0.5, or a percentage such as 50.")
     frac = answer / 100 if answer > 1 else answer
@@ -624,8 +626,9 @@ def _check_predict_waste(answer, measured: float | None = None):
         return right(f"you predicted {frac:.0%}, measured {measured:.0%}. The mean request "
                      "ends with about 161 + 338 tokens, but each reserves prompt + 1024, so "
                      "most of what it holds is never written.")
+    side = "too low" if gap < 0 else "too high"
     return wrong(f"you predicted {frac:.0%}, measured {measured:.0%}: off by "
-                 f"{abs(gap) * 100:.0f} percentage points ({'too low' if gap < 0 else 'too high'}).",
+                 f"{abs(gap) * 100:.0f} percentage points ({side}).",
                  "compare the mean tokens a request ends with (prompt 161 + output 338) with "
                  "what it reserves (prompt + 1024); the ratio is about the share used.")
 

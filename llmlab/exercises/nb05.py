@@ -482,8 +482,9 @@ def _check_schedule(schedule):
     verdict, preemptions = _engine_check(schedule)
     if verdict is not None:
         return verdict
-    return right(f"the engine's scheduler with your step served notebook 05's {len(run.output_tokens)} "
-                 f"requests with 8 seats and a tight pool: every request finished once, "
+    return right(f"the engine's scheduler with your step served notebook 05's "
+                 f"{len(run.output_tokens)} requests with 8 seats and a tight pool: every "
+                 "request finished once, "
                  f"{run.iterations} iterations and {run.stats.computed_tokens:,} positions "
                  f"against static batching's {static.iterations} and "
                  f"{static.stats.computed_tokens:,} ({run.stats.num_preemptions} preemptions). "

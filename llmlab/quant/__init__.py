@@ -37,7 +37,7 @@ from .linear import (FP8Linear, GroupLinear, Int8Linear, QuantizedEmbedding, Qua
 SCHEMES = ("int8", "int4", "q4_1", "fp8")
 LM_HEAD_CHOICES = ("int8", "fp32")
 
-__all__ = ["quantize", "SCHEMES", "weight_nbytes", "QuantizedCausalLM", "QuantizedLinear",
+__all__ = ["quantize", "fake_quantize", "SCHEMES", "weight_nbytes", "QuantizedCausalLM", "QuantizedLinear",
            "Int8Linear", "GroupLinear", "FP8Linear", "QuantizedEmbedding", "use_kernels", "Q4_1",
            "q4_1_quantize", "q4_1_dequantize", "int8_quantize", "int8_dequantize",
            "group_quantize", "group_dequantize", "fp8_quantize", "fp8_dequantize", "formats"]
@@ -139,3 +139,26 @@ def weight_nbytes(model: nn.Module) -> int:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
     return total
+
+
+@torch.no_grad()
+def fake_quantize(model: CausalLM, roundtrip) -> CausalLM:
+    """A new float model whose decoder linear weights are ``roundtrip(W)`` (W [out, in] ->
+    the dequantized [out, in]): simulated quantization, to measure a format's error
+    without a kernel for it. The embedding, lm_head and norms are shared with ``model``."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    new = copy.deepcopy(model, memo)
+    for layer in new.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    w = child.weight.detach()
+                    got = roundtrip(w)
+                    if not isinstance(got, torch.Tensor) or got.shape != w.shape:
+                        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                        raise ValueError(f"roundtrip returned {shape} for a weight of shape "
+                                         f"{tuple(w.shape)}; it must return the same shape")
+                    lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                    lin.weight = nn.Parameter(got.to(w.dtype).contiguous(), requires_grad=False)
+                    setattr(parent, name, lin)
+    return new.eval()

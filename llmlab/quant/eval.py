@@ -153,3 +153,44 @@ def evaluate(reference, models: dict, tokenizer, max_tokens: int | None = None,
                      "ppl fp32": q.ppl_ref, "greedy agree": g.fraction,
                      "identical answers": f"{g.identical}/{len(g.lengths)}"})
     return rows
+
+
+def group_format_bytes(config, bits: int, group_size: int | None, head_bytes: float = 1.0) -> float:
+    """Modelled weight bytes of a model whose decoder linears use ``bits``-bit codes with a
+    float16 step and minimum per ``group_size`` inputs (None: one pair per output row),
+    the tied embedding/lm_head at ``head_bytes`` per weight (below 4: plus a float32 scale
+    per row) and float32 norms."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+    per_layer = 0.0
+    for out_f, in_f in shapes:
+        groups = out_f * (1 if group_size is None else in_f // group_size)
+        per_layer += out_f * in_f * bits / 8 + groups * 4
+    norms = (2 * config.num_layers + 1) * h * 4
+    head = config.vocab_size * h * head_bytes + (config.vocab_size * 4 if head_bytes < 4 else 0)
+    return config.num_layers * per_layer + head + norms   # int8 head: + one scale per row
+
+
+@torch.inference_mode()
+def sweep_bits_group(reference, token_ids: list[int], bits_list=(2, 3, 4, 8),
+                     groups=(16, 32, 64, None)) -> dict:
+    """KLD and top-1 agreement against ``reference`` for every (bits, group size), with
+    the group-wise asymmetric format simulated on the decoder linears (None: one group
+    per row), over one window of ``token_ids``.
+    -> {(bits, group): {"kld", "top1", "bytes"}} (bytes modelled, lm_head int8)."""
+    from . import fake_quantize
+    from .formats import group_dequantize, group_quantize
+
+    x = torch.tensor([token_ids[:-1]], device=reference.device)
+    ref_lp = F.log_softmax(reference(x)[0].float(), dim=-1)
+    out = {}
+    for bits in bits_list:
+        for g in groups:
+            def roundtrip(w, bits=bits, g=g):
+                return group_dequantize(*group_quantize(w, bits, w.shape[1] if g is None else g))
+            lp = F.log_softmax(fake_quantize(reference, roundtrip)(x)[0].float(), dim=-1)
+            out[(bits, g)] = {"kld": (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean().item(),
+                              "top1": (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item(),
+                              "bytes": group_format_bytes(reference.config, bits, g)}
+    return out

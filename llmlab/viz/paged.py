@@ -9,6 +9,7 @@ can call the same functions.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -158,10 +159,12 @@ def plot_waste_bars(results: Sequence[WasteResult], title: str = ""):
 
 def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
                              cost_ms: dict[int, float], device: str = "",
-                             spread_ms: dict[int, tuple[float, float]] | None = None):
+                             spread_ms: dict[int, tuple[float, float]] | None = None,
+                             ylabel: str = "ms per decode attention"):
     """Left: waste vs block size (small blocks waste less). Right: measured time of one
     paged decode per block size (median; ``spread_ms`` maps a size to its (min, max), drawn
-    as error bars). The chosen ``block_size`` is highlighted. The widget's callback."""
+    as error bars; ``ylabel`` says what was timed). The chosen ``block_size`` is
+    highlighted. The widget's callback."""
     sizes = [r.block_size for r in sweep]
     if block_size not in sizes:
         raise ValueError(f"block_size={block_size!r}; allowed: {sizes}")
@@ -191,8 +194,8 @@ def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
     top = max(spread_ms[s][1] for s in cs) if spread_ms else max(ys)
     b.set_ylim(0, 1.15 * top)
     b.set_xlabel("block size (tokens)")
-    b.set_ylabel("ms per decode attention")
-    b.set_title(f"measured on {device}" if device else "measured", fontsize=8)
+    b.set_ylabel(ylabel)
+    b.set_title(textwrap.fill(f"measured on {device}" if device else "measured", 48), fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -518,8 +518,8 @@ finally:
     torch.set_num_threads(threads)
 cost_ms = {s: sorted(r)[len(r) // 2] for s, r in runs.items()}
 spread_ms = {s: (min(r), max(r)) for s, r in runs.items()}
-fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, f"{DEVICE}, CPU time of one thread",
-                                    spread_ms)
+YLABEL = "CPU ms per decode attention"
+fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, DEVICE, spread_ms, YLABEL)
 print(f"slowest / fastest median over block sizes 4..256: "
       f"{max(cost_ms.values()) / min(cost_ms.values()):.2f}×")
 
@@ -536,7 +536,7 @@ print(f"slowest / fastest median over block sizes 4..256: "
 
 # %%
 widgets.interactive(lambda block_size: pviz.plot_block_size_tradeoff(block_size, sweep, cost_ms,
-                                                                     DEVICE, spread_ms),
+                                                                     DEVICE, spread_ms, YLABEL),
                     block_size=widgets.SelectionSlider(options=list(sizes), value=16))
 
 # %% [markdown]

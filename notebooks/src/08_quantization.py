@@ -1,0 +1,319 @@
+# %% [markdown]
+# # 08 · Quantization: fewer bytes per weight, measured
+#
+# **Why.** Notebook 02 showed that decoding one token at batch 1 is memory-bound: every weight
+# is read once and used for one multiply-add. SmolLM2 in float32 reads about 538 MB per token,
+# so the time per token is roughly those bytes over the memory bandwidth. Storing each weight
+# in 8 or 4 bits instead of 32 cuts the bytes, and, if the kernel widens the small weights
+# inside the matmul, the time.
+#
+# The price is rounding error, and the papers are about where it hurts:
+#
+# - **LLM.int8()** (Dettmers, Lewis, Belkada and Zettlemoyer, NeurIPS 2022) found that large
+#   models develop *outlier features*: a few hidden dimensions whose activations are far larger
+#   than the rest, appearing systematically from about 6.7B parameters. One scale per row or
+#   column is then dominated by the outlier. Their fix multiplies those few dimensions in 16-bit
+#   and everything else in int8.
+# - **GPTQ** (Frantar, Ashkboos, Hoefler and Alistarh, ICLR 2023) quantizes one column at a time
+#   and corrects the not-yet-quantized columns for the error just made, using second-order
+#   (Hessian) information from a little calibration data; it reaches 3 and 4 bits on models up
+#   to 175B parameters in a few GPU hours.
+# - **AWQ** (Lin et al., MLSys 2024) observes that a small share of weights, those that meet
+#   large activations, matter most, and protects them by scaling their channels before
+#   rounding instead of keeping them in higher precision.
+# - **llama.cpp** stores blocks of 32 weights with their own scale (types such as Q8_0, Q4_1)
+#   and reports each type by its perplexity and KL divergence against the unquantized model.
+#   That is how this notebook reports quality too.
+#
+# SmolLM2 itself ships as a Q4_1 GGUF file: llmlab loads its weights already dequantized to
+# float32. In this notebook you **build** group-wise quantization, check that it finds the
+# shipped 4-bit grid again, measure what int8 and int4 do to quality and speed, and play with
+# bits × group size.
+
+# %%
+import os
+
+import matplotlib.pyplot as plt
+import torch
+from safetensors import safe_open
+
+import llmlab
+from llmlab import exercises, quant
+from llmlab.device import describe
+from llmlab.models.registry import model_dir
+from llmlab.profiling import time_fn
+from llmlab.profiling.roofline import measure_bandwidth, measure_matmul_flops
+from llmlab.quant import eval as qeval
+
+QUICK = os.environ.get("LLMLAB_QUICK") == "1"
+torch.manual_seed(0)
+for key, value in describe().items():
+    print(f"{key:12s} {value}")
+model = llmlab.load_model("smollm2-135m", attention="sdpa")
+tok = llmlab.load_tokenizer("smollm2-135m")
+
+# %% [markdown]
+# ## How (1): quantize one matrix by hand
+#
+# The simplest format is **symmetric int8 with one scale per output row**: the row's largest
+# magnitude maps to 127, every weight becomes round(w / s), and w ≈ q · s. Zero stays exactly
+# zero, and a weight's error is at most half a step, s / 2.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+w = torch.tensor([[0.12, -0.50, 0.03, 0.25],
+                  [0.01, 0.02, -0.04, 0.90]])
+s = w.abs().amax(dim=1, keepdim=True) / 127
+q = torch.round(w / s).to(torch.int8)
+print("codes q:\n", q)
+print("scales s:", s.squeeze(1))
+print("w - q·s:\n", (w - q.float() * s))
+print(f"max error {((w - q.float() * s).abs() / s).max():.2f} steps (at most 0.5)")
+
+# %% [markdown]
+# Row 2 shows the weakness: its 0.90 sets the step, so its small weights (0.01, 0.02) get only
+# one or two levels each. One large weight coarsens its whole row. **Group-wise** formats give
+# each run of, say, 32 consecutive inputs its own step and offset (w ≈ q · d + m, with m the
+# group's minimum and d = its range / (2^bits − 1)), so an outlier stretches only its own
+# group. Groups run along the **input** dimension, the one the matmul sums over, so one d and
+# one m multiply a whole partial dot product.
+#
+# GGUF's **Q4_1** is exactly this with 4 bits and groups ("blocks") of 32: per block a float16
+# step d, a float16 minimum m, and 32 four-bit codes packed two per byte. Here is one block of
+# SmolLM2's weights:
+
+# %%
+w_block = model.layers[0].mlp.down_proj.weight[0, :32].detach()
+from llmlab.viz.quant import plot_q4_1_block
+
+plot_q4_1_block(w_block)
+plt.show()
+
+# %% [markdown]
+# Every weight sits **exactly** on one of the 16 levels: these weights were dequantized from a
+# Q4_1 file, so each one is m + q·d for its block's d and m.
+#
+# ## Build: group-wise quantize and dequantize
+#
+# Write `group_quantize(w, bits, group_size)` for `w [out, in]`, returning
+# `(q, d, m)`: codes `q [out, in]` (integers in 0..2^bits − 1), and per group of `group_size`
+# consecutive inputs of a row a step `d` and a minimum `m`, both `[out, in / group_size]`;
+# and `group_dequantize(q, d, m)` returning `[out, in]`. Use m = the group's minimum,
+# d = (max − min) / (2^bits − 1), and round to the nearest code.
+#
+# The check runs your pair on a small matrix first, then on **all 210 linear layers of
+# SmolLM2** (4 bits, groups of 32) and compares the model's next-token distributions and
+# greedy answer with float32.
+
+# %%
+def group_quantize(w, bits=4, group_size=32):
+    # YOUR CODE HERE: reshape to [out, in/group, group], find min and max per group,
+    # step d, codes q = round((w - m) / d) clamped to 0..2^bits-1; return q, d, m
+    raise NotImplementedError
+
+
+def group_dequantize(q, d, m):
+    # YOUR CODE HERE: q · d + m, with d and m repeated over each group
+    raise NotImplementedError
+
+
+exercises.check("nb08.group_quantize", (group_quantize, group_dequantize))
+
+# %% [markdown]
+# ## Check (1): the round trip is exact
+#
+# Why does a correct Q4_1 quantizer give back the shipped weights bit for bit? In each block
+# the smallest weight was stored as code 0, so it *is* m; the largest was code 15, so it is
+# m + 15·d (one float32 multiply, one add). Quantizing again, llama.cpp's rule takes
+# min → m exactly and (max − min)/15 → d up to a relative error near 1e-7, which rounds back
+# to the same float16 d. Each weight's (w − m)/d is then within about 1e-6 of its old integer
+# code, so rounding returns that code, and q·d + m is computed the same way as before. The
+# same argument fails if the blocks are laid out differently: grouping along the output
+# dimension mixes weights from different blocks, which share no grid.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+         "model.layers.15.self_attn.o_proj.weight", "model.layers.29.mlp.up_proj.weight"]
+with safe_open(str(model_dir("smollm2-135m") / "model.safetensors"), "pt") as f:
+    for name in names:
+        W = f.get_tensor(name)
+        exact = (quant.q4_1_dequantize(quant.q4_1_quantize(W)) - W).abs().max().item()
+        Wt = W.t().contiguous()
+        wrong_layout = (quant.q4_1_dequantize(quant.q4_1_quantize(Wt)) - Wt).abs().max().item()
+        print(f"{name[6:]:34s} {tuple(W.shape)}: round trip max |Δ| = {exact:.1e}; "
+              f"blocks along the output dim: {wrong_layout:.1e}")
+
+# %% [markdown]
+# ## Check (2): what int8 and int4 do to the model
+#
+# `llmlab.quantize(model, scheme)` returns a new model (the float32 one is untouched) whose
+# linear layers store int8 (one scale per row), int4 (groups of 32, float step and minimum)
+# or Q4_1; the tied embedding / lm_head is stored in int8 in every scheme. That table is a
+# fifth of the float32 bytes and is read whole by every decode step; the shipped file keeps
+# it at 8 bits (Q8_0), so 4 bits would lose more than the file did.
+#
+# The quality measures, over the first tokens of a text written for the workbook
+# (`data/text/memory_hierarchy.md`): the KL divergence of the next-token distribution from
+# float32's (nats per token), top-1 agreement, perplexity, and greedy answers to chat prompts.
+
+# %%
+q8 = llmlab.quantize(model, "int8")
+q4 = llmlab.quantize(model, "int4", group_size=32)
+ids = qeval.eval_token_ids(tok, 128 if QUICK else 256)
+quality = qeval.compare_logits(model, {"int8": q8, "int4": q4}, ids)
+ref_answers = qeval.greedy_answers(model, tok, qeval.CHAT_PROMPTS[:2], max_new_tokens=16)
+print(f"over {len(ids) - 1} tokens; fp32 perplexity {quality['int8'].ppl_ref:.2f}")
+for name, qm in (("int8", q8), ("int4", q4)):
+    r = quality[name]
+    g = qeval.greedy_agreement(ref_answers, qeval.greedy_answers(qm, tok, qeval.CHAT_PROMPTS[:2], 16))
+    print(f"{name}: {quant.weight_nbytes(qm) / 1e6:5.0f} MB  KLD {r.kld:.1e} nats/token  "
+          f"top-1 {r.top1:.1%}  ppl {r.ppl:.2f} ({r.ppl_delta:+.2f})  greedy tokens kept "
+          f"{g.fraction:.0%}")
+print(f"KLD int8 (per row) / KLD int4 (groups of 32) = {quality['int8'].kld / quality['int4'].kld:.1f}")
+
+# %% [markdown]
+# Read the two KLDs with the round trip in mind. The int4 linears reproduce the shipped
+# weights exactly (groups of 32 along the inputs, like Q4_1), so int4's KLD comes only from
+# the int8 lm_head and from the kernel rounding activations to bfloat16. int8 with **one
+# scale per row** is *coarser* than the file's 4-bit blocks wherever a block's range is below
+# about 12% of its row's largest weight (15 levels over a small range beat 127 levels over a
+# large one): more bits, worse result, because of the group size.
+#
+# ## Predict, then measure
+#
+# Before the next cell runs: how many times the float32 tokens/s will int4 decode at batch 1
+# here? (Weight bytes are printed above; decode is memory-bound.)
+
+# %%
+my_int4_speedup = ...  # YOUR ANSWER, e.g. 3.0
+
+# %%
+bandwidth = measure_bandwidth()
+peak = measure_matmul_flops()
+NEW = 8 if QUICK else 16
+prompt = [ids[:32]]
+timings = {}
+for name, m in (("fp32", model), ("int8", q8), ("int4", q4)):
+    timings[name] = {
+        "decode": time_fn(lambda m=m: llmlab.generate(m, tok, prompt, max_new_tokens=NEW,
+                                                      kv_cache="contiguous", ignore_eos=True),
+                          repeats=5, warmup=1),
+        "prefill": time_fn(lambda m=m: m(torch.tensor([ids[:128]]), last_only=True),
+                           repeats=5, warmup=1)}
+for name, t in timings.items():
+    d, p = t["decode"], t["prefill"]
+    print(f"{name}: decode {NEW / d.median_s:5.1f} tok/s (min-max {NEW / max(d.times_s):.1f}-"
+          f"{NEW / min(d.times_s):.1f}), prefill {128 / p.median_s:6.0f} tok/s")
+measured_speedup = timings["fp32"]["decode"].median_s / timings["int4"]["decode"].median_s
+print(f"int4 decode speedup over fp32: {measured_speedup:.2f}x (median of 5, prompt prefill "
+      f"included); the bytes bound is {quant.weight_nbytes(model) / quant.weight_nbytes(q4):.1f}x")
+print(f"machine: copy bandwidth {bandwidth / 1e9:.1f} GB/s, float32 matmul {peak / 1e9:.0f} GFLOP/s")
+
+# %%
+exercises.check("nb08.predict_int4_speedup", my_int4_speedup, measured=measured_speedup)
+
+# %% [markdown]
+# ## Measure: every scheme on notebook 02's roofline
+#
+# A token costs 2 FLOPs per parameter. Decode reads every weight byte once per token, so its
+# intensity is 2·params / bytes, a few FLOPs per byte: on the sloped, memory-bound part of the
+# roof, where fewer bytes move the point right *and* up. Prefill reads the weights once for the
+# whole prompt (here 128 tokens), far right, near the compute roof, where fewer bytes change
+# little. Error bars: min to max of the five runs.
+
+# %%
+from llmlab.viz.quant import plot_scheme_roofline
+
+params = sum(p.numel() for p in model.parameters())
+rows = []
+for name, m in (("fp32", model), ("int8", q8), ("int4", q4)):
+    d, p = timings[name]["decode"], timings[name]["prefill"]
+    rows.append({"scheme": name, "params": params, "bytes": quant.weight_nbytes(m),
+                 "decode_tok_s": NEW / d.median_s, "prefill_tok_s": 128 / p.median_s,
+                 "prefill_tokens": 128,
+                 "decode_spread": (NEW / max(d.times_s), NEW / min(d.times_s)),
+                 "prefill_spread": (128 / max(p.times_s), 128 / min(p.times_s))})
+plot_scheme_roofline(rows, bandwidth, peak)
+plt.title(f"measured on {describe()['device']}", fontsize=9)
+plt.show()
+for r in rows[1:]:
+    print(f"{r['scheme']}: decode {r['decode_tok_s'] / rows[0]['decode_tok_s']:.2f}x fp32, "
+          f"prefill {r['prefill_tok_s'] / rows[0]['prefill_tok_s']:.2f}x fp32")
+
+# %% [markdown]
+# Compare the decode and prefill ratios printed above. Weight-only quantization is meant for
+# the memory-bound phase; in the compute-bound one it saves bytes that were not the limit (and
+# the kernels add work there: they widen every weight again for every row of the prompt). `python -m llmlab.bench quant`
+# measures all four schemes at batch 1 and 8 on the whole evaluation text.
+#
+# ## Play: bits × group size
+#
+# The grid below simulates the group-wise format at each setting on every linear layer
+# (dequantized weights in float32, no kernel) and measures the KLD against float32 on a short
+# window of the text. The widget shows the weight bytes, the KLD and the decode tokens/s that
+# the measured bandwidth would allow at those bytes: a **model** (bytes / bandwidth), not a
+# measurement. "one per row" is a single group per output row.
+
+# %%
+grid = qeval.sweep_bits_group(model, ids[:48 if QUICK else 64], bits_list=(3, 4, 8),
+                              groups=(32, None))
+for (b, g), v in grid.items():
+    print(f"{b} bits, {'row' if g is None else g:>3}: {v['bytes'] / 1e6:5.0f} MB, "
+          f"KLD {v['kld']:.1e}, top-1 {v['top1']:.0%}")
+
+# %%
+import ipywidgets as widgets
+from llmlab.viz.quant import explore_bits_group
+
+widgets.interactive(lambda bits=4, group_size=32: explore_bits_group(grid, bits, group_size,
+                                                                     bandwidth).figure,
+                    bits=widgets.SelectionSlider(options=[3, 4, 8], value=4, description="bits"),
+                    group_size=widgets.Dropdown(options=[("32", 32), ("one per row", None)],
+                                                value=32, description="group"))
+
+# %%
+choice = explore_bits_group(grid, 4, None, bandwidth, draw=False)
+per_group = explore_bits_group(grid, 4, 32, bandwidth, draw=False)
+print(f"4-bit, one scale per row: KLD {choice.kld:.1e}; groups of 32: {per_group.kld:.1e} "
+      f"for {(per_group.weight_bytes / choice.weight_bytes - 1):.0%} more bytes")
+
+# %% [markdown]
+# ## Explain
+#
+# Why does 4-bit with groups of 32 beat 4-bit with one scale per row?
+#
+# - (a) smaller groups use fewer bits per weight
+# - (b) a group's step is set by its own range, so an outlier weight coarsens only its own group
+# - (c) rounding to nearest is only correct for small groups
+# - (d) the matmul runs faster with small groups
+
+# %%
+# NBVAL_CHECK_OUTPUT
+answer = ...  # YOUR ANSWER: a letter
+exercises.check("nb08.explain_group_size", answer)
+
+# %% [markdown]
+# ## Stretch: the cost of a Q4_1 block
+#
+# How many bytes per weight does Q4_1 store, counting everything in a block?
+
+# %%
+# NBVAL_CHECK_OUTPUT
+answer = ...  # YOUR ANSWER: bytes per weight
+exercises.check("nb08.q4_1_bytes_per_weight", answer)
+
+# %% [markdown]
+# ## Takeaways
+#
+# - Batch-1 decode is memory-bound, so its speed follows the weight bytes; prefill is compute-bound and barely moves.
+# - Where the scales sit matters as much as the bits: groups of 32 along the input dimension beat one scale per row.
+# - Measure quality as llama.cpp does (KLD, top-1, perplexity, greedy tokens) against the float model, on a fixed text.
+#
+# ## Further reading
+#
+# - Dettmers, Lewis, Belkada, Zettlemoyer. *LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale.* NeurIPS 2022. [arXiv:2208.07339](https://arxiv.org/abs/2208.07339)
+# - Frantar, Ashkboos, Hoefler, Alistarh. *GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers.* ICLR 2023. [arXiv:2210.17323](https://arxiv.org/abs/2210.17323)
+# - Lin, Tang, Tang, Yang, Chen, Wang, Xiao, Dang, Gan, Han. *AWQ: Activation-aware Weight Quantization for On-Device LLM Compression and Acceleration.* MLSys 2024. [arXiv:2306.00978](https://arxiv.org/abs/2306.00978)
+# - llama.cpp (its quantization types and the `perplexity` tool's KL-divergence mode): [github.com/ggml-org/llama.cpp](https://github.com/ggml-org/llama.cpp); the GGUF format: [ggml/docs/gguf.md](https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
