@@ -13,7 +13,8 @@ from .engine import LLM, SamplingParams
 from .generate import Generation, generate
 from .models import load_model, load_tokenizer
 from .quant import quantize
+from .speculative import SpeculativeConfig
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "load_model", "load_tokenizer", "generate", "Generation", "LLM",
-           "SamplingParams", "quantize"]
+           "SamplingParams", "quantize", "SpeculativeConfig"]

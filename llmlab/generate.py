@@ -30,6 +30,7 @@ from .profiling.metrics import RequestMetrics
 # ``from llmlab.generate import encode_prompts, left_pad`` is how notebooks reach them.
 from .prompts import Generation, check_token_ids, encode_prompts, left_pad, prepare_prompts
 from .sampling import sample_rows
+from .speculative import SpeculativeConfig, speculative_token_ids
 from .stopping import finish_reason, token_budget
 
 __all__ = ["generate", "generate_token_ids", "generate_paged", "Generation", "TokenRun",
@@ -268,7 +269,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              chat: bool = True, kv_cache="none", ignore_eos: bool = False,
              block_size: int = 16, num_blocks: int | None = None,
-             paged_attention: str | None = None):
+             paged_attention: str | None = None, speculative=None):
     """Generate for one prompt (returns a :class:`Generation`) or a list (returns a list).
 
     ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
@@ -285,6 +286,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     the model's context. ``temperature=0`` is greedy; ``seed`` makes sampling
     reproducible; ``ignore_eos`` keeps generating past the end-of-sequence token (all
     ``max_new_tokens``, for timing).
+    ``speculative``: a :class:`llmlab.SpeculativeConfig` or a dict of its fields (e.g.
+    ``{"method": "ngram", "num_tokens": 4}``) drafts and verifies several tokens per target
+    forward (notebook 09): one prompt, a contiguous KV cache (``kv_cache`` "none" or
+    "contiguous"); same tokens when greedy, same distribution when sampling; the statistics
+    are on ``generation.speculative`` (a :class:`llmlab.speculative.SpecStats`).
     """
     single = isinstance(prompts, str)
     cfg = model.config
@@ -298,11 +304,20 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                              f"{p[:40]!r}...")
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    runs = generate_token_ids(model, encoded, max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
-                              pad_token_id=pad, ignore_eos=ignore_eos, kv_cache=kv_cache,
-                              block_size=block_size, num_blocks=num_blocks,
-                              paged_attention=paged_attention)
+    if speculative is not None:
+        spec = SpeculativeConfig.coerce(speculative)
+        if len(encoded) != 1 or kv_cache not in ("none", "contiguous"):
+            raise ValueError(f"speculative decoding runs one prompt on a contiguous KV cache; "
+                             f"got {len(encoded)} prompts and kv_cache={kv_cache!r}")
+        runs = [speculative_token_ids(model, encoded[0], max_new_tokens, spec,
+                                      temperature=temperature, top_k=top_k, top_p=top_p,
+                                      seed=seed, eos_token_id=eos, ignore_eos=ignore_eos)]
+    else:
+        runs = generate_token_ids(model, encoded, max_new_tokens, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
+                                  pad_token_id=pad, ignore_eos=ignore_eos, kv_cache=kv_cache,
+                                  block_size=block_size, num_blocks=num_blocks,
+                                  paged_attention=paged_attention)
     results = []
     for p, ids, run in zip(prompts, encoded, runs):
         toks = run.token_ids
@@ -312,6 +327,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                                  ttft_s=run.times_s[0], e2e_s=run.times_s[-1])
         g = Generation(p, text, toks, ids, run.finish_reason, metrics, run.times_s)
         g.num_cached_tokens = run.num_cached_tokens
+        g.speculative = getattr(run, "stats", None)      # SpecStats, or None without it
         results.append(g)
     return results[0] if single else results
 

@@ -184,6 +184,11 @@ def test_lm_head_choice(tiny):
     assert q8.embed_tokens.table is q8.lm_head           # tied: stored once
     assert q32.lm_head.weight is tiny.lm_head.weight     # shared, not copied
     assert quant.weight_nbytes(q8) < quant.weight_nbytes(q32)
+    qb = llmlab.quantize(tiny, "int4", lm_head="bf16")
+    assert qb.embed_tokens.table is qb.lm_head and qb.lm_head.wbf16.dtype == torch.bfloat16
+    ids = torch.tensor([[4, 8, 15, 16]])
+    assert torch.allclose(qb.embed_tokens(ids), tiny.embed_tokens(ids), rtol=1e-2, atol=1e-6)
+    assert quant.weight_nbytes(q8) < quant.weight_nbytes(qb) < quant.weight_nbytes(q32)
 
 
 # -- evaluation ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def _llama_cpp(gguf: str | None, prompt_ids: list[int], new_tokens: int, threads
 
 
 def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
-          threads: int | None) -> dict:
+          threads: int | None, lm_head: str = "int8") -> dict:
     import llmlab
     from llmlab.quant import eval as qeval
     from llmlab.quant import weight_nbytes
@@ -79,9 +79,9 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
     base = llmlab.load_model("smollm2-135m", attention="sdpa")
     models = {"fp32": base}
     for scheme in ("int8", "int4", "q4_1", "fp8"):
-        models[scheme] = llmlab.quantize(base, scheme)
+        models[scheme] = llmlab.quantize(base, scheme, lm_head=lm_head)
     bw = measure_bandwidth()
-    print(f"   measured copy bandwidth: {bw / 1e9:.1f} GB/s; lm_head/embedding: int8 in every "
+    print(f"   measured copy bandwidth: {bw / 1e9:.1f} GB/s; lm_head/embedding: {lm_head} in every "
           "quantized scheme; packed CPU kernels take bfloat16 activations")
 
     batches = {1: prompts(tok, 1), 8: prompts(tok, 8)}
@@ -158,6 +158,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quality-tokens", type=int, default=100_000,
                     help="tokens of the evaluation text for KLD (default: all of it)")
     ap.add_argument("--gguf", default=None, help="a GGUF file for the llama.cpp comparison")
+    ap.add_argument("--lm-head", default="int8", help="int8 (default), bf16 or fp32: the tied "
+                    "embedding / lm_head of the quantized models")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
@@ -170,6 +172,6 @@ def main(argv: list[str]) -> int:
         new, repeats, qtok = 16, 1, 256
     header(f"quant: smollm2-135m weight-only quantization vs float32, {PROMPT_LEN}-token prompt, "
            f"{new} new tokens, prefill {PREFILL_LEN} tokens")
-    payload = bench(new, repeats, qtok, args.gguf, args.threads)
+    payload = bench(new, repeats, qtok, args.gguf, args.threads, args.lm_head)
     save("quant", payload)
     return 0

@@ -105,6 +105,20 @@ class ContiguousKVCache:
         self.real_lengths.zero_()
         self.length, self._pending, self._padded = 0, 0, False
 
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` slots: the rest are forgotten (their tensors are
+        overwritten by later tokens). Speculative decoding (notebook 09) writes K/V for
+        drafted tokens the target then rejects, and rolls the cache back with this."""
+        if self._pending:
+            raise ValueError("truncate() between begin() and advance(); call advance() first")
+        if not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"length={length!r} must be an int in [0, {self.length}] "
+                             "(the slots filled so far)")
+        self.key_padding_mask[:, length:] = False
+        self.real_lengths = self.key_padding_mask[:, :length].sum(-1)
+        self.length = length
+        self._padded = not bool(self.key_padding_mask[:, :length].all())
+
     def begin(self, num_new: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Announce ``num_new`` tokens per row for the next forward; returns their positions.
 

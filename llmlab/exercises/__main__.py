@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.solutions:
         for name in todo:
             ex = get(name)
-            tag = " (stretch)" if ex.stretch else ""
+            tag = " (stretch)" if ex.stretch and "stretch" not in ex.title.lower() else ""
             print(f"{name:34s} {ex.kind:8s} {ex.notebook:32s} {ex.title}{tag}")
         print(f"{len(todo)} exercises")
         return 0

@@ -102,6 +102,10 @@ class Int8Linear(QuantizedLinear):
     def weight_nbytes(self) -> int:
         return self.qweight.numel() + self.scale.numel() * 4
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` of the weight (the embedding lookup of a tied table)."""
+        return self.qweight[ids].float() * self.scale[ids][..., None]
+
     def kernel_forward(self, x):
         x2, lead = _as_2d(x)
         y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16)
@@ -179,14 +183,36 @@ class FP8Linear(QuantizedLinear):
         return self.w8.numel() + self.scale.numel() * 4
 
 
+class BF16Linear(QuantizedLinear):
+    """bfloat16 weight (8 significant bits, float32's range); the kernel path runs the matmul
+    in bfloat16 (this CPU has bfloat16 matrix instructions), the reference in float32."""
+
+    scheme = "bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0])
+        self.register_buffer("wbf16", weight.detach().to(torch.bfloat16))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.wbf16.float()
+
+    def weight_nbytes(self) -> int:
+        return self.wbf16.numel() * 2
+
+    def kernel_forward(self, x):
+        return F.linear(x.to(torch.bfloat16), self.wbf16).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.wbf16[ids].float()
+
+
 class QuantizedEmbedding(nn.Module):
     """A token embedding that reads its rows from a quantized [vocab, hidden] linear (the
     tied lm_head), so the table is stored once: ids [...] -> vectors [..., hidden]."""
 
-    def __init__(self, table: Int8Linear):
+    def __init__(self, table: "Int8Linear | BF16Linear"):
         super().__init__()
         self.table = table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.qweight[ids].float()
-        return rows * self.table.scale[ids][..., None]
+        return self.table.rows(ids)

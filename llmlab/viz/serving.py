@@ -270,8 +270,8 @@ def plot_rounds(values: dict[str, list[float]], ylabel: str, title: str = ""):
     err = [[m - min(values[n]) for m, n in zip(med, names)],
            [max(values[n]) - m for m, n in zip(med, names)]]
     ax.barh(range(len(names)), med, xerr=err, capsize=4, color="#2e86ab")
-    for i, m in enumerate(med):
-        ax.text(m, i, f"  {m:.1f}", va="center", fontsize=8)
+    for i, (m, n) in enumerate(zip(med, names)):   # the label right of the whisker
+        ax.text(max(values[n]), i, f"  {m:.1f}", va="center", fontsize=8)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.25 * max(max(v) for v in values.values()))

@@ -304,15 +304,16 @@ for name in (HF, STATIC):
           f"{work / speed:.2f}× the time per position")
 
 # %% [markdown]
-# On a CPU the speedup follows the work ratio, because the matrix multiplies are most of the cost
-# and they charge a pad as much as a real token. Continuous batching's positions are not cheaper by
-# nature, and can be dearer: near the end of a trace only a few requests are left, so a step has
-# few rows, and a step with few rows still reads every weight once (notebook 02's memory-bound
-# corner of the roofline). So the work ratio is roughly the speedup to expect, and the number of
-# seats sets it: the more requests share a static batch, the longer the longest of them and the
-# more seats sit idle. The README's results table has `python -m llmlab.bench serve` on the
-# whole trace with 32 and 64 seats. Past the work ratio, a speedup has to come from a cheaper
-# position: the subject of the kernel notebooks (03 and 04).
+# On this CPU the work ratio explains most of the speedup: the matrix multiplies are most of the
+# cost, and they charge a pad as much as a real token. The time per position (the last number)
+# differs by tens of percent between systems and between runs: HF's `generate` is another
+# implementation with its own overheads, and near the end of a trace a continuous step has only
+# a few rows, notebook 02's memory-bound corner, where each row costs more. So expect about the
+# work ratio from scheduling alone, and the number of seats sets it: the more requests share a
+# static batch, the longer the longest of them and the more seats sit idle. The README's results
+# table has `python -m llmlab.bench serve` on the whole trace with 32 and 64 seats. Past the work
+# ratio, a speedup has to come from a cheaper position: the subject of the kernel notebooks
+# (03 and 04).
 #
 # ### Chunked prefill: no step is long
 #

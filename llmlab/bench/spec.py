@@ -1,0 +1,158 @@
+"""python -m llmlab.bench spec [--quick]: speculative decoding against KV-cache greedy, batch 1.
+
+smollm2-135m in the device's default dtype, greedy, up to ``--new-tokens`` new tokens per
+prompt (stopping at the end-of-sequence token; speculation gives the same tokens, checked,
+so equal work). Two prompt sets: *edit* (rewrite or correct a given text: the answer copies
+the prompt, where n-gram drafts shine) and *chat* (open questions: little to copy). For
+each draft method (``ngram``, ``early_exit``) and k, in one run:
+
+* speedup: the baseline's median time over speculation's (medians of ``--repeats`` runs
+  per prompt, summed over the set), and whether every token matched;
+* acceptance rate (accepted / drafted) and tokens per target forward;
+* c, the draft's cost per drafted token relative to one baseline decode step, and the
+  verify step's cost relative to it;
+* the cost model speedup ≈ E[tokens per step] / (1 + k·c), which assumes verifying k+1
+  tokens costs one decode step (true where decode is memory-bound; a CPU pays more).
+
+Taught in notebook 09.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..device import default_dtype
+from ._common import header, save, table
+
+EDIT_PROMPTS = [
+    "Correct the spelling mistakes in this text and return the corrected text only: "
+    "Yesterday I went to the libary to borow a book about the histroy of Rome. The "
+    "librarian was very helpfull and showed me were the books were.",
+    "Rewrite the following paragraph, replacing every 'cat' with 'dog': The cat sat by the "
+    "window. The cat watched the birds outside, and when the cat got bored it went to sleep "
+    "on the sofa.",
+    "Fix the grammar in this sentence and repeat it: She don't like going to the market "
+    "on Sundays because it are too crowded and the prices is high.",
+]
+CHAT_PROMPTS = [
+    "What are three good habits for staying healthy?",
+    "Tell me a short story about a robot who learns to paint.",
+    "Why is the sky blue?",
+]
+CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("early_exit", 2), ("early_exit", 4)]
+TARGET = 1.5            # n-gram on the edit prompts, CPU: speedup over KV-cache greedy
+
+
+def _run(model, tok, prompt: str, new_tokens: int, spec) -> tuple[float, object]:
+    import llmlab
+
+    t0 = time.perf_counter()
+    g = llmlab.generate(model, tok, prompt, max_new_tokens=new_tokens, kv_cache="contiguous",
+                        speculative=spec)
+    return time.perf_counter() - t0, g
+
+
+def bench(new_tokens: int, repeats: int, configs, early_layers: int, device,
+          attention: str) -> dict:
+    import llmlab
+
+    tok = llmlab.load_tokenizer("smollm2-135m")
+    model = llmlab.load_model("smollm2-135m", attention=attention, device=device)
+    print(f"   early_exit draft: the first {early_layers} of {model.config.num_layers} layers "
+          f"+ final norm + lm_head; llmlab attention backend: {attention}; "
+          f"median of {repeats} runs per prompt")
+    _run(model, tok, "Hi", 4, None)                        # warm-up
+    _run(model, tok, "Hi", 4, {"method": "early_exit", "num_layers": early_layers})
+    rows, summary = [], []
+    for set_name, prompts in (("edit", EDIT_PROMPTS), ("chat", CHAT_PROMPTS)):
+        base_s, base_tokens, base_ids = [], 0, []
+        for p in prompts:
+            times = []
+            for _ in range(repeats):
+                s, g = _run(model, tok, p, new_tokens, None)
+                times.append(s)
+            base_s.append(statistics.median(times))
+            base_tokens += len(g.token_ids)
+            base_ids.append(g.token_ids)
+        step_s = sum(base_s) / base_tokens                  # one decode step, prefill spread in
+        rows.append({"prompts": set_name, "method": "KV-cache greedy", "k": 0,
+                     "tok/s": base_tokens / sum(base_s), "speedup": 1.0, "same": True,
+                     "accept": float("nan"), "tok/fwd": 1.0, "c": float("nan"),
+                     "verify/step": 1.0, "model x": 1.0})
+        for method, k in configs:
+            spec = {"method": method, "num_tokens": k}
+            if method == "early_exit":
+                spec["num_layers"] = early_layers
+            spec_s, same, acc, drafted, gen, steps, fwd, draft_s, target_s = (
+                [], True, 0, 0, 0, 0, 0, 0.0, 0.0)
+            for p, ref in zip(prompts, base_ids):
+                times = []
+                for _ in range(repeats):
+                    s, g = _run(model, tok, p, new_tokens, spec)
+                    times.append(s)
+                spec_s.append(statistics.median(times))
+                st = g.speculative
+                same = same and g.token_ids == ref
+                acc += sum(st.accepted_per_step)
+                drafted += sum(st.drafted_per_step)
+                gen += st.num_generated
+                steps += st.num_steps
+                fwd += st.target_forwards
+                draft_s += st.draft_s
+                target_s += st.target_s
+            c = draft_s / drafted / step_s if drafted else 0.0
+            per_step = gen / fwd                           # E[tokens per target forward]
+            speedup = sum(base_s) / sum(spec_s)
+            model_x = per_step / (1 + k * c)
+            rows.append({"prompts": set_name, "method": method, "k": k,
+                         "tok/s": gen / sum(spec_s), "speedup": speedup, "same": same,
+                         "accept": acc / drafted if drafted else 0.0, "tok/fwd": per_step,
+                         "c": c, "verify/step": target_s / fwd / step_s, "model x": model_x})
+            summary.append({"prompts": set_name, "method": method, "k": k, "speedup": speedup,
+                            "same_tokens": same, "acceptance": acc / drafted if drafted else 0.0,
+                            "tokens_per_forward": per_step, "draft_cost": c,
+                            "cost_model_speedup": model_x})
+    table(rows, floatfmt="{:.3g}")
+    print("   accept: accepted/drafted; tok/fwd: tokens per target forward (prefill counted); "
+          "c: draft cost per drafted token / one decode step; verify/step: a target forward "
+          "of k+1 tokens / one decode step; model x: tok/fwd / (1 + k*c)")
+    best = max((r for r in summary if r["prompts"] == "edit" and r["method"] == "ngram"),
+               key=lambda r: r["speedup"], default=None)
+    if best is not None:
+        met = best["speedup"] >= TARGET and best["same_tokens"]
+        print(f"   n-gram on edit prompts: best {best['speedup']:.2f}x at k={best['k']}, "
+              f"identical tokens: {best['same_tokens']} (target >= {TARGET}x: "
+              f"{'met' if met else 'missed'})")
+    return {"rows": rows, "summary": summary, "new_tokens": new_tokens, "repeats": repeats,
+            "early_exit_layers": early_layers}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llmlab.bench spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="24 new tokens, 1 repeat, k in {2, 4}")
+    ap.add_argument("--repeats", type=int, default=3, help="median of this many (default 3)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="per prompt (default 64)")
+    ap.add_argument("--early-layers", type=int, default=8,
+                    help="layers of the early-exit draft (default 8 of 30)")
+    ap.add_argument("--attention", default="sdpa", help="llmlab attention backend (default sdpa)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.new_tokens < 2:
+        raise ValueError(f"--repeats={args.repeats} must be >= 1 and --new-tokens="
+                         f"{args.new_tokens} >= 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    configs, new, repeats = CONFIGS, args.new_tokens, args.repeats
+    if args.quick:
+        configs = [c for c in CONFIGS if c[1] in (2, 4)]
+        new, repeats = 24, 1
+    header(f"spec: smollm2-135m, {str(default_dtype(device)).removeprefix('torch.')}, greedy, "
+           f"batch 1, up to {new} new tokens, speculative vs KV-cache greedy")
+    payload = bench(new, repeats, configs, args.early_layers, device, args.attention)
+    save("spec", payload)
+    return 0
