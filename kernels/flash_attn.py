@@ -345,7 +345,8 @@ def _launch(q, k, v, cu_q, cu_k, key_start, key_end, k_strides, seq_q, seq_k, ba
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     softmax_scale: float | None = None, key_start: torch.Tensor | None = None,
-                    key_end: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                    key_end: torch.Tensor | None = None, block_m: int | None = None,
+                    block_n: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Dense form. q [batch, seq_q, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim];
     key_start, key_end int [batch]: row b sees only keys key_start[b] <= j < key_end[b]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -86,7 +85,7 @@ KERNELS = ("flash", "paged", "moe")
 class Occupancy:
     blocks_per_sm: int
     fraction: float          # resident warps / the SM's maximum
-    limiter: str             # "warps", "registers", "shared memory", "blocks", or why it cannot launch
+    limiter: str             # "warps", "registers", "shared memory", "blocks", or why not at all
 
 
 def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> Occupancy:
@@ -130,7 +129,8 @@ SOURCES = {
                           ("CU_Q", "CU_K", "K_START", "K_END"), ("qk_scale",)),
     "paged": KernelSource("paged_attn", "_paged_attn_fwd", ("Q", "K", "V", "O"), ("BT", "SEQLENS"),
                           ("sm_scale",)),
-    "moe": KernelSource("moe_gemm", "_grouped_gemm_kernel", ("x_ptr", "w_ptr", "y_ptr", "scale_ptr"),
+    "moe": KernelSource("moe_gemm", "_grouped_gemm_kernel",
+                        ("x_ptr", "w_ptr", "y_ptr", "scale_ptr"),
                         ("offsets_ptr", "tile_expert_ptr", "tile_row_ptr"), (),
                         ("stride_xk", "stride_wk", "stride_yn")),
 }
@@ -237,7 +237,8 @@ def moe_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 32, block_
 PAGED_BLOCK_SIZES = (16, 32, 64, 128)
 
 
-def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES, full: bool = False) -> list[BuildSpec]:
+def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
+          full: bool = False) -> list[BuildSpec]:
     """Every build of the report: each tile the wrappers and autotuners can pick.
 
     Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
@@ -422,7 +423,8 @@ def problems(builds: list[Build]) -> list[str]:
     for b in builds:
         where = f"{b.kernel} {b.variant} {b.config} {b.arch} {b.dtype}"
         if b.spills:
-            out.append(f"{where}: spills {b.spill_bytes} bytes per thread ({b.registers} registers)")
+            out.append(f"{where}: spills {b.spill_bytes} bytes per thread "
+                       f"({b.registers} registers)")
         if not b.fits_shared_memory:
             out.append(f"{where}: {b.shared_bytes} bytes of shared memory, over "
                        f"{ARCHS[b.arch].shared_per_block} per block")
@@ -437,11 +439,11 @@ def summary(builds: list[Build]) -> list[dict]:
     for kernel in dict.fromkeys(b.kernel for b in builds):
         mine = [b for b in builds if b.kernel == kernel]
         half = [b for b in mine if b.dtype != "fp32"]
+        with_tc = sum(b.tensor_core_instructions > 0 for b in half)
         rows.append({"kernel": kernel, "builds": len(mine),
                      "spill_free": sum(not b.spills for b in mine),
                      "fit_shared": sum(b.fits_shared_memory for b in mine),
-                     "fp16/bf16 with tensor cores": f"{sum(b.tensor_core_instructions > 0 for b in half)}"
-                                                   f"/{len(half)}"})
+                     "fp16/bf16 with tensor cores": f"{with_tc}/{len(half)}"})
     return rows
 
 
@@ -469,7 +471,8 @@ def table(builds: list[Build]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlab.kernels.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llmlab.kernels.report",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--arch", nargs="+", default=list(ARCHS), choices=list(ARCHS))
     p.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))

@@ -53,7 +53,7 @@ def test_the_default_steps_cover_tests_benchmarks_and_notebooks():
     assert [s.name for s in G.default_steps(("notebooks", "benchmarks"))] == ["tests"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message on a machine without CUDA")
 def test_without_cuda_it_says_so_and_fails(tmp_path, capsys):
     assert G.main(["--out", str(tmp_path / "gpu")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

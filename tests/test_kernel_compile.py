@@ -25,7 +25,8 @@ MINIMAL_FA2_SPILL_FREE_D128 = 3
 def _subset() -> list[R.BuildSpec]:
     out = []
     for arch in R.ARCHS:
-        out += [R.flash_spec(arch, "bf16", 128, *t) for t in flash_attn.tile_configs(arch, 128, "bf16")]
+        out += [R.flash_spec(arch, "bf16", 128, *t)
+                for t in flash_attn.tile_configs(arch, 128, "bf16")]
         largest = max(flash_attn.tile_configs(arch, 64, "fp16"), key=lambda t: t[0] * t[1] * t[2])
         out.append(R.flash_spec(arch, "fp16", 64, *largest, key_range=True))
         out.append(R.paged_spec(arch, "bf16", 64, 16))
@@ -64,7 +65,8 @@ def test_no_build_spills_registers(builds):
 
 
 def test_shared_memory_fits_each_target(builds):
-    over = [(b.kernel, b.config, b.arch, b.shared_bytes) for b in builds if not b.fits_shared_memory]
+    over = [(b.kernel, b.config, b.arch, b.shared_bytes) for b in builds
+            if not b.fits_shared_memory]
     assert not over, over
 
 

@@ -109,7 +109,8 @@ def run_steps(steps: list[Step], out: Path, budget: float) -> list[StepResult]:
         log = out / f"{step.name}.txt"
         left = budget - (time.monotonic() - start)
         if left <= 1:
-            log.write_text(f"[gpu-check] {step.name}: not run, the {budget:.0f} s budget was spent\n")
+            log.write_text(f"[gpu-check] {step.name}: not run, the {budget:.0f} s budget "
+                           "was spent\n")
             results.append(StepResult(step.name, " ".join(step.argv), None, 0.0, str(log), True))
             continue
         print(f"\n[gpu-check] == {step.name} ({left:.0f} s left) ==", flush=True)
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_summary(out, results, args.budget)
     print("\n[gpu-check] summary:")
     for r in results:
-        state = "passed" if r.passed else ("out of time" if r.timed_out else f"FAILED (rc {r.returncode})")
+        state = "passed" if r.passed else \
+            ("out of time" if r.timed_out else f"FAILED (rc {r.returncode})")
         print(f"  {r.name:<20} {state:<16} {r.seconds:7.1f} s   {r.log}")
     print(f"  written: {summary}")
     return exit_code(results)
