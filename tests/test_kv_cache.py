@@ -151,7 +151,7 @@ def test_kv_bytes_formula_matches_real_tensors_13b():
     cache = ContiguousKVCache(LLAMA2_13B.num_layers, 1, LLAMA2_13B.num_kv_heads,
                               LLAMA2_13B.head_dim, 8, dtype=torch.float16)
     assert cache.nbytes == 8 * per_token
-    # one full 4096-token sequence: 3.36 GB, the seed article's "about 3 GB per sequence"
+    # one full 4096-token sequence: 3.36 GB, "about 3 GB per sequence" at 13B scale
     full = kv_cache_bytes(LLAMA2_13B, 1, 4096, 2)
     assert full == 4096 * 819_200 and 3.0e9 < full < 3.5e9
 

@@ -63,16 +63,23 @@ def test_ngram_lookup_proposes_what_followed():
     {"method": "early_exit", "num_tokens": 2, "num_layers": 1},
 ])
 def test_greedy_speculation_gives_the_plain_greedy_tokens_tiny(tiny, tokenizer, spec):
-    for p in TINY_PROMPTS:
+    # A random model copies nothing, so one prompt repeats itself: its tail recurs and
+    # the n-gram lookup has something to draft (and the target to reject or accept).
+    ids = tokenizer("Once upon a time there was a tiny model")["input_ids"]
+    drafted = 0
+    for p in TINY_PROMPTS + [[ids + ids]]:          # a list holding one token-id prompt
         ref = llmlab.generate(tiny, tokenizer, p, max_new_tokens=24, kv_cache="contiguous",
                               ignore_eos=True)
         out = llmlab.generate(tiny, tokenizer, p, max_new_tokens=24, speculative=spec,
                               ignore_eos=True)
+        ref, out = (ref[0], out[0]) if isinstance(p, list) else (ref, out)
         assert out.token_ids == ref.token_ids, (p, spec)
         assert out.finish_reason == ref.finish_reason
         s = out.speculative
         assert s.num_generated == 24 and s.target_forwards == 1 + s.num_steps
         assert sum(s.accepted_per_step) + s.num_steps + 1 >= 24    # every token accounted
+        drafted += sum(s.drafted_per_step)
+    assert drafted > 0                                  # verify and roll-back were exercised
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted(tiny, tokenizer):
@@ -99,12 +106,16 @@ def test_sampled_speculation_is_seeded_and_stops_on_budget(tiny, tokenizer):
 def test_greedy_speculation_on_smollm2(smollm2, tokenizer):
     prompts = ["Fix the spelling: The quick brown fox jumpd over the lazzy dog.",
                "What is the capital of France?"]
+    accepted = {}
     for p in prompts:
         ref = llmlab.generate(smollm2, tokenizer, p, max_new_tokens=24, kv_cache="contiguous")
         for spec in ({"method": "ngram", "num_tokens": 4},
                      {"method": "early_exit", "num_tokens": 2, "num_layers": 6}):
             out = llmlab.generate(smollm2, tokenizer, p, max_new_tokens=24, speculative=spec)
             assert out.token_ids == ref.token_ids, (p, spec)
+            accepted[p, spec["method"]] = sum(out.speculative.accepted_per_step)
+    # the corrected sentence copies the prompt: n-gram drafts are accepted there
+    assert accepted[prompts[0], "ngram"] >= 5
 
 
 def _first_two_emitted(drafts, num_accepted, next_token):

@@ -13,8 +13,8 @@ Two policies, chosen by name (``SchedulerConfig.policy``):
   waiting requests join, first come first served, while there are free seats
   (``max_num_seqs``), token budget (``max_num_batched_tokens`` per step) and free KV
   blocks. Their prompts are *packed* into the same forward without padding (the
-  "smart batching" the seed article on inference frameworks credits to
-  TurboTransformers): the runner gets one flat token list with ``cu_seqlens``.
+  "smart batching" of TurboTransformers, Fang et al., PPoPP 2021,
+  https://arxiv.org/abs/2010.05680): the runner gets one flat token list with ``cu_seqlens``.
   When a running sequence needs a block and none is free, the newest running sequence
   is *preempted by recompute*: its blocks are freed and it goes back to the front of
   the waiting queue with all its tokens, to be prefilled again later. Nothing is lost.

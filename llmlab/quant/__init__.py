@@ -13,7 +13,7 @@ Schemes (every linear layer of every decoder block):
 ``lm_head`` chooses the format of the tied embedding / lm_head: ``"int8"`` (the default,
 one scale per row), ``"bf16"`` or ``"fp32"``. Why int8 by default: the [49152, 576] table is a
 fifth of SmolLM2's float32 bytes and every decode step reads all of it, so a float32 head
-would leave the 4-bit model reading 113 MB of its 173 MB per token; the shipped file keeps
+(113 MB) would outweigh all the 4-bit layers together (66-80 MB); the shipped file keeps
 this table at 8 bits (Q8_0), and 4 bits would lose more than the file did. The cost is
 measured, not assumed: over 256 tokens of the evaluation text the int8 head adds about
 2e-3 nats/token of KLD to int4 (2.7e-3 against 3e-4 with a float32 head, the rest being
@@ -33,8 +33,8 @@ from ..models.llama import CausalLM
 from . import formats
 from .formats import (Q4_1, fp8_dequantize, fp8_quantize, group_dequantize, group_quantize,
                       int8_dequantize, int8_quantize, q4_1_dequantize, q4_1_quantize)
-from .linear import (BF16Linear, FP8Linear, GroupLinear, Int8Linear, QuantizedEmbedding, QuantizedLinear,
-                     use_kernels)
+from .linear import (BF16Linear, FP8Linear, GroupLinear, Int8Linear, QuantizedEmbedding,
+                     QuantizedLinear, use_kernels)
 
 SCHEMES = ("int8", "int4", "q4_1", "fp8")
 LM_HEAD_CHOICES = ("int8", "bf16", "fp32")

@@ -115,8 +115,8 @@ class Int8Linear(QuantizedLinear):
 class GroupLinear(QuantizedLinear):
     """Group-wise asymmetric 4-bit weight: w = q·d + m per group of ``group_size`` inputs.
 
-    ``q4_1=True`` makes the groups GGUF Q4_1 blocks (32 inputs, float16 d and m, codes by
-    llama.cpp's rounding); otherwise d and m are float32 and codes round to nearest.
+    ``q4_1=True`` makes the groups GGUF Q4_1 blocks (32 inputs, codes by llama.cpp's
+    rounding); otherwise any group size, codes rounded to nearest. d and m are float16.
     The codes are kept packed two per byte; the CPU kernel's own packing is built once.
     """
 
@@ -129,6 +129,9 @@ class GroupLinear(QuantizedLinear):
             codes, d, m = b.codes(), b.d, b.m
         else:
             codes, d, m = formats.group_quantize(weight, bits=4, group_size=group_size)
+            # stored in float16 like Q4_1's (4 bytes per group); codes were rounded with the
+            # float32 step, as llama.cpp does
+            d, m = d.to(torch.float16), m.to(torch.float16)
         self.register_buffer("packed_codes", codes[:, 0::2] | (codes[:, 1::2] << 4))
         self.register_buffer("d", d)
         self.register_buffer("m", m)

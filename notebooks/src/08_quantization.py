@@ -148,8 +148,8 @@ with safe_open(str(model_dir("smollm2-135m") / "model.safetensors"), "pt") as f:
 # ## Check (2): what int8 and int4 do to the model
 #
 # `llmlab.quantize(model, scheme)` returns a new model (the float32 one is untouched) whose
-# linear layers store int8 (one scale per row), int4 (groups of 32, float step and minimum)
-# or Q4_1; the tied embedding / lm_head is stored in int8 (one scale per row) by default. That
+# linear layers store int8 (one scale per row), int4 (groups of 32, float16 step and
+# minimum) or Q4_1; the tied embedding / lm_head is stored in int8 (one scale per row) by default. That
 # table is a fifth of the float32 bytes and is read whole by every decode step; the shipped
 # file keeps it at 8 bits (Q8_0), so 4 bits would lose more than the file did. The third model
 # below keeps it in float32 (`lm_head="fp32"`), to separate the two sources of error.
