@@ -36,8 +36,20 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (macOS, Windows): the PyTorch path works, the kernel refuses
+    from types import SimpleNamespace
+
+    def _needs_triton(fn):
+        def missing(*args, **kwargs):
+            raise RuntimeError(f"{fn.__name__} is a Triton kernel and Triton is not installed "
+                               "(it is Linux-only); use impl='torch'")
+        return missing
+
+    triton, tl = SimpleNamespace(jit=_needs_triton), None
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor | None):
@@ -152,6 +164,9 @@ def grouped_gemm_triton(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     x and w must share a dtype (float32, float16 or bfloat16); the BLOCK_* tile sizes are
     powers of two >= 16 (tl.dot's minimum).
     """
+    if tl is None:
+        raise RuntimeError("grouped_gemm_triton needs Triton, which is not installed here "
+                           "(it is Linux-only); use impl='torch'")
     _check(x, w, offsets, scale)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if not isinstance(b, int) or b < 16 or b & (b - 1):
