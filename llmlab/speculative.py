@@ -203,7 +203,11 @@ class NgramDrafter:
     def __init__(self, spec: SpeculativeConfig, vocab_size: int):
         self.spec, self.vocab_size = spec, vocab_size
 
-    def propose(self, seq, k, temperature, top_k, top_p, generator):
+    def propose(self, seq: list[int], k: int, temperature: float, top_k: int | None,
+                top_p: float | None, generator: torch.Generator | None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``k`` drafts after ``seq``, and q [len(drafts), vocab] when sampling
+        (None when greedy: the verifier only compares tokens)."""
         drafts = ngram_propose(seq, k, self.spec.ngram_max, self.spec.ngram_min)
         q = None
         if temperature > 0 and drafts:
@@ -231,7 +235,11 @@ class ModelDrafter:
         self.cache.advance()
         return logits
 
-    def propose(self, seq, k, temperature, top_k, top_p, generator):
+    def propose(self, seq: list[int], k: int, temperature: float, top_k: int | None,
+                top_p: float | None, generator: torch.Generator | None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """``k`` drafts after ``seq``, each sampled from (or the argmax of) the draft's
+        distribution; q [k, vocab] when sampling, None when greedy."""
         logits = self._feed(seq[self.cache.length:])
         drafts, qs = [], []
         for i in range(k):

@@ -7,7 +7,8 @@ the prompt, where n-gram drafts shine) and *chat* (open questions: little to cop
 each draft method (``ngram``, ``early_exit``) and k, in one run:
 
 * speedup: the baseline's median time over speculation's (medians of ``--repeats`` runs
-  per prompt, summed over the set), and whether every token matched;
+  per prompt, summed over the set; each repeat runs the baseline and every configuration
+  in turn, so load changes hit all alike), and whether every token matched;
 * acceptance rate (accepted / drafted) and tokens per target forward;
 * c, the draft's cost per drafted token relative to one baseline decode step, and the
   verify step's cost relative to it;
@@ -66,55 +67,53 @@ def bench(new_tokens: int, repeats: int, configs, early_layers: int, device,
           f"median of {repeats} runs per prompt")
     _run(model, tok, "Hi", 4, None)                        # warm-up
     _run(model, tok, "Hi", 4, {"method": "early_exit", "num_layers": early_layers})
+    specs = [None]
+    for method, k in configs:
+        spec = {"method": method, "num_tokens": k}
+        if method == "early_exit":
+            spec["num_layers"] = early_layers
+        specs.append(spec)
     rows, summary = [], []
     for set_name, prompts in (("edit", EDIT_PROMPTS), ("chat", CHAT_PROMPTS)):
-        base_s, base_tokens, base_ids = [], 0, []
-        for p in prompts:
-            times = []
+        # times[j][i]: runs of config j on prompt i. Each repeat runs every config in turn,
+        # so a change in the machine's load hits the baseline and speculation alike.
+        times = [[[] for _ in prompts] for _ in specs]
+        last = [[None] * len(prompts) for _ in specs]
+        for i, p in enumerate(prompts):
             for _ in range(repeats):
-                s, g = _run(model, tok, p, new_tokens, None)
-                times.append(s)
-            base_s.append(statistics.median(times))
-            base_tokens += len(g.token_ids)
-            base_ids.append(g.token_ids)
-        step_s = sum(base_s) / base_tokens                  # one decode step, prefill spread in
+                for j, spec in enumerate(specs):
+                    sec, last[j][i] = _run(model, tok, p, new_tokens, spec)
+                    times[j][i].append(sec)
+        med = [[statistics.median(t) for t in per_cfg] for per_cfg in times]
+        base_ids = [g.token_ids for g in last[0]]
+        base_tokens = sum(len(t) for t in base_ids)
+        base_s = sum(med[0])
+        step_s = base_s / base_tokens                      # one decode step, prefill spread in
         rows.append({"prompts": set_name, "method": "KV-cache greedy", "k": 0,
-                     "tok/s": base_tokens / sum(base_s), "speedup": 1.0, "same": True,
+                     "tok/s": base_tokens / base_s, "speedup": 1.0, "same": True,
                      "accept": float("nan"), "tok/fwd": 1.0, "c": float("nan"),
                      "verify/step": 1.0, "model x": 1.0})
-        for method, k in configs:
-            spec = {"method": method, "num_tokens": k}
-            if method == "early_exit":
-                spec["num_layers"] = early_layers
-            spec_s, same, acc, drafted, gen, steps, fwd, draft_s, target_s = (
-                [], True, 0, 0, 0, 0, 0, 0.0, 0.0)
-            for p, ref in zip(prompts, base_ids):
-                times = []
-                for _ in range(repeats):
-                    s, g = _run(model, tok, p, new_tokens, spec)
-                    times.append(s)
-                spec_s.append(statistics.median(times))
-                st = g.speculative
-                same = same and g.token_ids == ref
-                acc += sum(st.accepted_per_step)
-                drafted += sum(st.drafted_per_step)
-                gen += st.num_generated
-                steps += st.num_steps
-                fwd += st.target_forwards
-                draft_s += st.draft_s
-                target_s += st.target_s
-            c = draft_s / drafted / step_s if drafted else 0.0
+        for j, (method, k) in enumerate(configs, start=1):
+            stats = [g.speculative for g in last[j]]
+            same = all(g.token_ids == ref for g, ref in zip(last[j], base_ids))
+            acc = sum(sum(st.accepted_per_step) for st in stats)
+            drafted = sum(sum(st.drafted_per_step) for st in stats)
+            gen = sum(st.num_generated for st in stats)
+            fwd = sum(st.target_forwards for st in stats)
+            c = sum(st.draft_s for st in stats) / drafted / step_s if drafted else 0.0
             per_step = gen / fwd                           # E[tokens per target forward]
-            speedup = sum(base_s) / sum(spec_s)
+            speedup = base_s / sum(med[j])
             model_x = per_step / (1 + k * c)
+            rate = acc / drafted if drafted else 0.0
+            verify = sum(st.target_s for st in stats) / fwd / step_s
             rows.append({"prompts": set_name, "method": method, "k": k,
-                         "tok/s": gen / sum(spec_s), "speedup": speedup, "same": same,
-                         "accept": acc / drafted if drafted else 0.0, "tok/fwd": per_step,
-                         "c": c, "verify/step": target_s / fwd / step_s, "model x": model_x})
+                         "tok/s": gen / sum(med[j]), "speedup": speedup, "same": same,
+                         "accept": rate, "tok/fwd": per_step, "c": c, "verify/step": verify,
+                         "model x": model_x})
             summary.append({"prompts": set_name, "method": method, "k": k, "speedup": speedup,
-                            "same_tokens": same, "acceptance": acc / drafted if drafted else 0.0,
+                            "same_tokens": same, "acceptance": rate,
                             "tokens_per_forward": per_step, "draft_cost": c,
-                            "cost_model_speedup": model_x})
+                            "verify_cost": verify, "cost_model_speedup": model_x})
     table(rows, floatfmt="{:.3g}")
     print("   accept: accepted/drafted; tok/fwd: tokens per target forward (prefill counted); "
           "c: draft cost per drafted token / one decode step; verify/step: a target forward "

@@ -219,7 +219,7 @@ def _check_predict_int4_speedup(answer, measured: float | None = None) -> object
 
 _GROUP_CHOICES = {
     "a": "smaller groups store more scales, so they cost more bits per weight, not fewer.",
-    "b": "right: the step of a group is set by its own range; an outlier weight stretches the "
+    "b": "the step of a group is set by its own range; an outlier weight stretches the "
          "step of its 31 neighbours only, not of the 576 weights of its row (LLM.int8() "
          "found such outliers concentrated in a few feature dimensions).",
     "c": "rounding to nearest works for any group size; its error is at most half a step, "
