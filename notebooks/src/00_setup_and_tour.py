@@ -64,7 +64,7 @@ print(f"q_proj of layer 0: {len(distinct)} blocks of 32 weights sampled, "
 # the Hugging Face hub gives different logits — by the 4-bit quantization error, far more than
 # float rounding — and can pick other greedy tokens, so texts in this workbook need not match what
 # the hub's model writes. Quantization itself (computing *in* 4 or 8 bits to save memory
-# traffic) is planned for notebook 08; here it only shaped the weights once.
+# traffic) is notebook 08's subject; here it only shaped the weights once.
 #
 # Grouped-query attention (Ainslie et al., 2023): 9 query heads share 3 key/value heads (3 queries
 # per KV head), which makes the KV cache three times smaller than with one KV head per query head —
@@ -223,9 +223,10 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # | 05 | continuous batching | static padded batches → iteration-level scheduling |
 # | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch |
 # | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed |
+# | 08 | quantization | float32 weights → int8 / int4 / Q4_1 / fp8 weights; quality (KLD) and decode speed |
 #
-# Planned, not written yet: 08 quantization, 09 speculative decoding, 10 serving over HTTP,
-# 11 kernel fusion and launch overhead.
+# Planned, not written yet: 09 speculative decoding (the library has `generate(...,
+# speculative=...)` already), 10 serving over HTTP, 11 kernel fusion and launch overhead.
 #
 # ## Takeaways
 #
