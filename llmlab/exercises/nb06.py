@@ -383,17 +383,8 @@ def _check_explain_balance_loss(answer):
 # ---- 5. stretch: dropping over capacity ------------------------------------------------------------
 
 def _solution_keep_within_capacity(experts, num_experts, capacity_factor):
-    tokens, k = experts.shape
-    capacity = math.ceil(capacity_factor * tokens * k / num_experts)
-    kept = torch.zeros(tokens, k, dtype=torch.bool)
-    used = [0] * num_experts
-    for slot in range(k):  # every token's first choice before any second choice
-        for t in range(tokens):
-            e = int(experts[t, slot])
-            if used[e] < capacity:
-                used[e] += 1
-                kept[t, slot] = True
-    return kept
+    """The library's own rule (llmlab.layers.moe_stats.simulate_capacity) is the reference."""
+    return simulate_capacity(experts, num_experts, capacity_factor).kept
 
 
 def _token_major(experts, num_experts, capacity_factor):
