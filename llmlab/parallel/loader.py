@@ -87,13 +87,14 @@ def read_shards(model_dir: Path, plan: dict[str, int | None], rank: int,
 
 
 def load_tp_model(name_or_path: str, attention: str = "naive", device=None,
-                  dtype: str | torch.dtype = torch.float32, tp_rank: int | None = None,
+                  dtype: str | torch.dtype | None = None, tp_rank: int | None = None,
                   tp_size: int | None = None, group=None) -> CausalLM:
     """This rank's shard of a registered model (``smollm2-135m``, ``tiny-llama``) or folder.
 
     Rank and degree default to the initialized process group (rank 0 of 1 without one).
     The result is an ordinary :class:`CausalLM` whose parallel layers talk to the other
-    ranks; call it on every rank with the same inputs.
+    ranks; call it on every rank with the same inputs. ``dtype`` defaults as in
+    :func:`llmlab.load_model`: float32 on a CPU, bfloat16 on a GPU.
     """
     from .. import attention as attn_backends
 
@@ -102,7 +103,8 @@ def load_tp_model(name_or_path: str, attention: str = "naive", device=None,
         init = dist.is_available() and dist.is_initialized()
         tp_rank = dist.get_rank(group) if init else 0
         tp_size = dist.get_world_size(group) if init else 1
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     path = resolve(name_or_path)
     config = ModelConfig.from_file(path)
     model = build_tp_model(config, tp_rank, tp_size, attention, group)
