@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test bench notebooks gpu-check gpu-compile clean
+.PHONY: setup lab test bench notebooks gpu-check gpu-compile kernel-table clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -71,6 +71,11 @@ gpu-compile: setup
 	LLMLAB_COMPILE=full $(BIN)/python -m pytest -q tests/test_kernel_compile.py
 	$(BIN)/python -m llmlab.kernels.report --full --check > results/compile/report.txt
 	@cat results/compile/report.txt
+
+# On any machine, no GPU needed: rebuild data/kernel_builds.json, the builds of every tile the
+# widgets of notebooks 03, 04 and 06 offer (then rebuild those notebooks).
+kernel-table: setup
+	$(BIN)/python -m llmlab.kernels.report --widget-table data/kernel_builds.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info results

@@ -3,6 +3,7 @@
     flash_attn   FlashAttention-2 style forward, dense and varlen (notebook 03)
     paged_attn   attention over a paged KV pool through a block table (notebook 04)
     moe_gemm     grouped GEMM for MoE dispatch, one GEMM per expert (notebook 06)
+    quant_gemm   weight-only int8 / int4 GEMM, dequantized in registers (notebook 08)
     report       every kernel built for A100/H100 without a GPU: registers, spills,
                  shared memory, occupancy, tensor-core instructions
 

@@ -1,8 +1,9 @@
 """Build every Triton kernel of the workbook for A100 and H100, on any machine, and report
 what the compiler made of each tile (shown in notebooks 03, 04 and 06).
 
-    python -m llmlab.kernels.report [--arch sm_80 sm_90] [--kernel flash paged moe]
+    python -m llmlab.kernels.report [--arch sm_80 sm_90] [--kernel flash paged moe quant]
                                     [--dtype fp16 bf16 fp32] [--full] [--json] [--check]
+    python -m llmlab.kernels.report --widget-table data/kernel_builds.json
 
 Triton compiles for a GPU named by its compute capability, and its wheel ships ``ptxas``
 and ``cuobjdump``, so a CPU-only machine can build a kernel down to the cubin an A100
@@ -17,6 +18,10 @@ the paged-attention kernel at each KV block size, and the grouped GEMM at each t
 :func:`llmlab.kernels.moe_gemm.gpu_tiles`, in float16, bfloat16 and float32. ``--full``
 adds every mask variant (causal or not, key range, varlen) and head_dim 256.
 
+``--widget-table`` builds every tile the notebook widgets offer (:data:`WIDGET_TILES`, some
+of them tiles no autotuner would pick) and writes the committed table that
+:func:`lookup` reads, so a widget shows a build in no time and without a compiler.
+
 In a process where Triton was set up for its interpreter (``TRITON_INTERPRET=1``, as
 ``import llmlab`` sets on a machine without CUDA) nothing can be compiled, Triton's own
 ``@triton.jit`` library included, so the builds run in a child process with the
@@ -25,6 +30,7 @@ interpreter off. Builds are cached by Triton (``~/.triton/cache``): a second rep
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import math
@@ -78,7 +84,7 @@ ARCHS = {
                         tensor_core_op="HGMMA"),
 }
 DTYPES = ("fp16", "bf16", "fp32")
-KERNELS = ("flash", "paged", "moe")
+KERNELS = ("flash", "paged", "moe", "quant")
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,16 @@ class KernelSource:
     int_pointers: tuple[str, ...] = ()
     floats: tuple[str, ...] = ()
     unit_strides: tuple[str, ...] = ()   # 1 for contiguous inputs: the JIT makes them constants
+    # pointers whose type is not the build's dtype: constants -> {name: "*i8", ...}
+    typed_pointers: object = None
+
+
+def _quant_pointers(consts: dict) -> dict:
+    """The quantized GEMM's weight pointers: int4 packed uint8 codes with float16 d and m,
+    or int8 codes with a float32 scale (read through d_ptr; m_ptr is unused)."""
+    if consts["INT4"]:
+        return {"w_ptr": "*u8", "d_ptr": "*fp16", "m_ptr": "*fp16"}
+    return {"w_ptr": "*i8", "d_ptr": "*fp32", "m_ptr": "*fp32"}
 
 
 SOURCES = {
@@ -133,6 +149,8 @@ SOURCES = {
                         ("x_ptr", "w_ptr", "y_ptr", "scale_ptr"),
                         ("offsets_ptr", "tile_expert_ptr", "tile_row_ptr"), (),
                         ("stride_xk", "stride_wk", "stride_yn")),
+    "quant": KernelSource("quant_gemm", "_quant_gemm_kernel", ("x_ptr", "y_ptr"), (), (),
+                          ("stride_xk", "stride_wk", "stride_dg", "stride_yn"), _quant_pointers),
 }
 
 
@@ -152,7 +170,7 @@ class BuildSpec:
     def config(self) -> str:
         """The tile, as a short label: e.g. "128x64 d128 w8 s3"."""
         c = dict(self.constants)
-        if self.kernel == "moe":
+        if self.kernel in ("moe", "quant"):
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
         elif self.kernel == "paged":
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} kv{c['BLOCK_SIZE']} d{c['HEAD_DIM']}"
@@ -234,6 +252,17 @@ def moe_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 32, block_
                      "scaled" if has_scale else "")
 
 
+def quant_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 16, block_n: int = 64,
+               block_k: int = 32, num_warps: int = 4, num_stages: int = 3, int4: bool = True,
+               group_size: int = 32) -> BuildSpec:
+    """A build of the weight-only quantized GEMM (layouts in :mod:`llmlab.kernels.quant_gemm`):
+    int4 with ``group_size`` (float16 d, m) or int8 (float32 per-channel scale)."""
+    consts = dict(INT4=int4, GROUP=group_size if int4 else 1, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(dtype), UPCAST=False)
+    return BuildSpec("quant", arch, dtype, tuple(consts.items()), num_warps, num_stages,
+                     f"int4 g{group_size}" if int4 else "int8")
+
+
 PAGED_BLOCK_SIZES = (16, 32, 64, 128)
 
 
@@ -243,10 +272,11 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
 
     Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
     causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128; the
-    grouped GEMM at every tile of ``gpu_tiles`` (scaled output). ``full`` adds the other
-    mask and layout variants and head_dim 256.
+    grouped GEMM at every tile of ``gpu_tiles`` (scaled output); the quantized GEMM at every
+    tile of its ``gpu_tiles``, int4 (group 32) and int8. ``full`` adds the other mask and
+    layout variants and head_dim 256.
     """
-    from . import flash_attn, moe_gemm
+    from . import flash_attn, moe_gemm, quant_gemm
     for name, values, allowed in (("kernel", kernels, KERNELS), ("arch", archs, tuple(ARCHS)),
                                   ("dtype", dtypes, DTYPES)):
         bad = [x for x in values if x not in allowed]
@@ -275,6 +305,10 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
                 for bm, bn, bk, w, s in moe_gemm.gpu_tiles(dtype):
                     for scaled in ((True, False) if full else (True,)):
                         out.append(moe_spec(arch, dtype, bm, bn, bk, w, s, has_scale=scaled))
+            if "quant" in kernels:
+                for bm, bn, bk, w, s in quant_gemm.gpu_tiles(dtype):
+                    for int4 in (True, False):
+                        out.append(quant_spec(arch, dtype, bm, bn, bk, w, s, int4=int4))
     return out
 
 
@@ -309,6 +343,8 @@ def _signature(spec: BuildSpec, fn):
         elif name in src.unit_strides:
             sig[name] = "constexpr"
             constexprs[(i,)] = 1
+        elif src.typed_pointers and name in src.typed_pointers(consts):
+            sig[name], attrs[(i,)] = src.typed_pointers(consts)[name], aligned
         elif name in src.data_pointers:
             sig[name], attrs[(i,)] = "*" + spec.dtype, aligned
         elif name in src.int_pointers:
@@ -373,10 +409,15 @@ def build(spec: BuildSpec) -> Build:
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     regs, stack, static_shared, ops = _inspect_cubin(compiled.asm["cubin"])
     seconds = time.perf_counter() - start
-    shared = compiled.metadata.shared + static_shared
-    occ = occupancy(spec.arch, regs, shared, spec.num_warps)
+    return _result(spec, regs, stack, compiled.metadata.shared + static_shared, ops, seconds)
+
+
+def _result(spec: BuildSpec, registers: int, stack: int, shared: int, ops: dict,
+            seconds: float = 0.0) -> Build:
+    """The :class:`Build` of ``spec`` from what the cubin uses (occupancy from :data:`ARCHS`)."""
+    occ = occupancy(spec.arch, registers, shared, spec.num_warps)
     return Build(spec.kernel, spec.variant, spec.config, spec.arch, spec.dtype, spec.num_warps,
-                 spec.num_stages, regs, stack, shared, occ.fraction, occ.blocks_per_sm,
+                 spec.num_stages, registers, stack, shared, occ.fraction, occ.blocks_per_sm,
                  occ.limiter, sum(ops.values()), ops, round(seconds, 2))
 
 
@@ -412,6 +453,138 @@ def _build_in_child(todo: list[BuildSpec], jobs: int) -> list[Build]:
     if res.returncode != 0:
         raise RuntimeError(f"the ahead-of-time build failed:\n{res.stderr[-4000:]}")
     return [Build(**json.loads(line)) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+# -- the table the notebook widgets read ---------------------------------------------------
+
+# Every tile the widgets of notebooks 03 (flash), 04 (paged) and 06 (moe) let a student
+# choose, as keyword arguments of flash_spec / paged_spec / moe_spec. Tiles the autotuner
+# would never pick are included on purpose (e.g. flash 128x128 at head_dim 128 on 4 warps):
+# the widget shows what the compiler makes of them. Triton launches a kernel with 4 warps
+# and 3 pipeline stages unless told otherwise, as the widgets' kernel calls do.
+WIDGET_TILES = {
+    "flash": {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128),
+              "head_dim": (64, 128, 256), "num_warps": (4, 8)},
+    "paged": {"block_size": (1, 2, 4, 8, 16, 32, 64, 128, 256), "head_dim": (64,)},
+    "moe": {"block_m": (16, 32, 64, 128), "block_n": (64, 128, 256), "block_k": (32, 64)},
+}
+WIDGET_DTYPES = ("bf16", "fp16")
+WIDGET_TABLE = Path(__file__).resolve().parent.parent / "data" / "kernel_builds.json"
+CHIP_ARCH = {"A100": "sm_80", "H100": "sm_90", "H200": "sm_90"}   # llmlab.profiling.hbm.CHIPS
+_SPEC_FUNCTIONS = {"flash": flash_spec, "paged": paged_spec, "moe": moe_spec}
+
+
+class MissingBuild(KeyError):
+    """A tile that the committed table of builds does not hold."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def widget_tiles(kernel: str) -> list[dict]:
+    """Every combination of :data:`WIDGET_TILES` [kernel], as keyword dicts."""
+    import itertools
+    if kernel not in WIDGET_TILES:
+        raise ValueError(f"kernel={kernel!r}; allowed: {list(WIDGET_TILES)}")
+    names = list(WIDGET_TILES[kernel])
+    return [dict(zip(names, values))
+            for values in itertools.product(*(WIDGET_TILES[kernel][n] for n in names))]
+
+
+def widget_specs(archs=tuple(ARCHS), dtypes=WIDGET_DTYPES) -> list[tuple[dict, BuildSpec]]:
+    """(tile, spec) for every widget tile of every kernel, on each arch and dtype."""
+    return [(tile, _SPEC_FUNCTIONS[kernel](arch, dtype, **tile))
+            for kernel in WIDGET_TILES for arch in archs for dtype in dtypes
+            for tile in widget_tiles(kernel)]
+
+
+def write_widget_table(path: str | Path = WIDGET_TABLE, jobs: int | None = None) -> dict:
+    """Build every widget tile (:func:`widget_specs`) and write the table the notebooks read:
+    metadata, then per build its tile, its spec and what the cubin uses. Returns the table."""
+    import triton
+    todo = widget_specs()
+    order = sorted(range(len(todo)), key=lambda i: -_build_cost(todo[i][1]))   # slow ones first
+    built = dict(zip(order, build_all([todo[i][1] for i in order], jobs)))
+    entries = [{"tile": tile, "spec": asdict(spec),
+                "result": {"registers": b.registers, "spill_bytes": b.spill_bytes,
+                           "shared_bytes": b.shared_bytes, "tensor_core_ops": b.tensor_core_ops,
+                           "compile_seconds": b.compile_seconds}}
+               for i, (tile, spec) in enumerate(todo) for b in [built[i]]]
+    table = {"meta": {"what": "Triton kernels compiled ahead of time on a CPU-only machine for "
+                              "A100 (sm_80) and H100 (sm_90); never run on a GPU",
+                      "command": "python -m llmlab.kernels.report --widget-table "
+                                 "data/kernel_builds.json",
+                      "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+                      "archs": {a: ARCHS[a].gpu for a in ARCHS}, "widget_tiles": WIDGET_TILES},
+             "builds": entries}
+    text = json.dumps(table, indent=None, separators=(",", ":"))
+    Path(path).write_text(text.replace(',{"tile"', ',\n{"tile"') + "\n")
+    _load_table.cache_clear()
+    return table
+
+
+def _build_cost(spec: BuildSpec) -> int:
+    c = dict(spec.constants)
+    return c.get("BLOCK_M", 1) * c.get("BLOCK_N", 1) * c.get("HEAD_DIM", c.get("BLOCK_K", 1))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_table(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def table_meta(path: str | Path = WIDGET_TABLE) -> dict:
+    """The metadata of the committed table (Triton version, date, archs, the command)."""
+    return _load_table(str(path))["meta"]
+
+
+def lookup(kernel: str, arch: str = "sm_90", dtype: str = "bf16",
+           path: str | Path = WIDGET_TABLE, **tile) -> Build:
+    """The committed build of one widget tile, e.g. ``lookup("flash", "sm_90", "bf16",
+    block_m=128, block_n=128, head_dim=128)``; ``arch`` may be a chip name of
+    :data:`CHIP_ARCH`. flash's num_warps defaults to 4. Raises :class:`MissingBuild` (a
+    KeyError) naming the tile when the table does not hold it: :func:`build` compiles any
+    tile (seconds to a minute each, in a child process)."""
+    arch = CHIP_ARCH.get(arch, arch)
+    if kernel not in WIDGET_TILES:
+        raise ValueError(f"kernel={kernel!r}; allowed: {list(WIDGET_TILES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}; allowed: {list(ARCHS)} or {list(CHIP_ARCH)}")
+    if kernel == "flash":
+        tile.setdefault("num_warps", 4)
+    unknown = set(tile) - set(WIDGET_TILES[kernel])
+    if unknown:
+        raise ValueError(f"{kernel} tiles are given by {list(WIDGET_TILES[kernel])}; "
+                         f"got {sorted(unknown)}")
+    for e in _load_table(str(path))["builds"]:
+        s = e["spec"]
+        if (s["kernel"], s["arch"], s["dtype"]) == (kernel, arch, dtype) and e["tile"] == tile:
+            r = e["result"]
+            return _result(_spec_from_json(s), r["registers"], r["spill_bytes"],
+                           r["shared_bytes"], r["tensor_core_ops"], r["compile_seconds"])
+    raise MissingBuild(f"no {kernel} build for {tile} on {arch} {dtype} in {Path(path).name}; "
+                       f"it holds the tiles of llmlab.kernels.report.WIDGET_TILES in "
+                       f"{list(WIDGET_DTYPES)}")
+
+
+def table_entries(path: str | Path = WIDGET_TABLE) -> list[dict]:
+    """The committed table's entries: {"tile", "spec", "result"} each."""
+    return _load_table(str(path))["builds"]
+
+
+def stale_entries(entries: list[dict], rebuilt: list[Build]) -> list[str]:
+    """Where a fresh build of each entry's spec (``rebuilt``, in order) differs from the
+    table: registers, stack (spill) bytes, shared memory, tensor-core instruction counts."""
+    out = []
+    for e, b in zip(entries, rebuilt, strict=True):
+        fresh = {"registers": b.registers, "spill_bytes": b.spill_bytes,
+                 "shared_bytes": b.shared_bytes, "tensor_core_ops": b.tensor_core_ops}
+        for key, value in fresh.items():
+            if e["result"][key] != value:
+                s = e["spec"]
+                out.append(f"{s['kernel']} {e['tile']} {s['arch']} {s['dtype']}: {key} is "
+                           f"{e['result'][key]} in the table, {value} when built now")
+    return out
 
 
 # -- checks and printing -----------------------------------------------------------------
@@ -482,8 +655,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 1 if a build spills, overflows shared memory or (fp16/bf16) "
                         "has no tensor-core instruction")
     p.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
+    p.add_argument("--widget-table", metavar="PATH",
+                   help="build every tile the notebook widgets offer (WIDGET_TILES) and write "
+                        "the table they read (data/kernel_builds.json)")
     p.add_argument("--stdin", action="store_true", help=argparse.SUPPRESS)  # specs as JSON lines
     args = p.parse_args(argv)
+    if args.widget_table:
+        start = time.perf_counter()
+        written = write_widget_table(args.widget_table, args.jobs)
+        print(f"{len(written['builds'])} builds in {time.perf_counter() - start:.0f} s -> "
+              f"{args.widget_table}")
+        return 0
     if args.stdin:
         todo = [_spec_from_json(json.loads(line)) for line in sys.stdin if line.strip()]
     else:

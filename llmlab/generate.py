@@ -23,13 +23,14 @@ import torch
 
 from . import attention as attn_backends
 from . import cache as kv_caches
+from .cache.contiguous import check_kv_dtype
 from .cache.paged import PagedKVCache, blocks_needed
 from .device import sync
 from .profiling.metrics import RequestMetrics
 # The prompt helpers and the sampler are leaf modules; re-exported here because
 # ``from llmlab.generate import encode_prompts, left_pad`` is how notebooks reach them.
 from .prompts import Generation, check_token_ids, encode_prompts, left_pad, prepare_prompts
-from .sampling import sample_rows
+from .sampling import apply_penalties, check_penalties, has_penalties, sample_rows
 from .speculative import SpeculativeConfig, speculative_token_ids
 from .stopping import finish_reason, token_budget
 
@@ -94,11 +95,13 @@ class ContiguousBatch:
     protocol: the prompts run once, then each step feeds one token per row."""
 
     def __init__(self, model, prompts: list[list[int]], pad_token_id: int, max_new: int,
-                 kv_cache: str = "contiguous"):
+                 kv_cache: str = "contiguous", kv_dtype: str = "auto"):
         self.model, self.pad_token_id = model, pad_token_id
         self.ids, mask = left_pad(prompts, pad_token_id, model.device)
         self.mask = None if bool(mask.all()) else mask
-        self.cache = kv_caches.create(kv_cache, model, len(prompts), self.ids.shape[1] + max_new)
+        options = {} if kv_dtype == "auto" else {"kv_dtype": kv_dtype}
+        self.cache = kv_caches.create(kv_cache, model, len(prompts), self.ids.shape[1] + max_new,
+                                      **options)
         self.num_cached = [0] * len(prompts)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -185,7 +188,11 @@ class TokenRun:
 
 def _make_batch(model, prompts: list[list[int]], budgets: list[int], pad_token_id: int,
                 kv_cache, block_size: int, num_blocks: int | None,
-                paged_attention: str | None):
+                paged_attention: str | None, kv_dtype: str = "auto"):
+    if check_kv_dtype(kv_dtype) != "auto" and (isinstance(kv_cache, PagedKVCache)
+                                               or kv_cache == "none"):
+        raise ValueError(f"kv_cache_dtype={kv_dtype!r} needs kv_cache='contiguous' or 'paged' "
+                         f"(a cache passed in keeps its own kv_dtype); got kv_cache={kv_cache!r}")
     if isinstance(kv_cache, PagedKVCache):            # a cache kept across calls
         return PagedBatch(model, prompts, pad_token_id, kv_cache)
     kv_caches.check_name(kv_cache)
@@ -197,9 +204,10 @@ def _make_batch(model, prompts: list[list[int]], budgets: list[int], pad_token_i
             raise ValueError(f"paged_attention={paged_attention!r}; allowed: {allowed} or None")
         if num_blocks is None:        # exactly what these sequences can reach
             num_blocks = blocks_needed([len(p) + b for p, b in zip(prompts, budgets)], block_size)
-        cache = PagedKVCache.for_model(model, num_blocks, block_size, backend=paged_attention)
+        cache = PagedKVCache.for_model(model, num_blocks, block_size, backend=paged_attention,
+                                       kv_dtype=kv_dtype)
         return PagedBatch(model, prompts, pad_token_id, cache)
-    return ContiguousBatch(model, prompts, pad_token_id, max(budgets), kv_cache)
+    return ContiguousBatch(model, prompts, pad_token_id, max(budgets), kv_cache, kv_dtype)
 
 
 @torch.inference_mode()
@@ -209,7 +217,10 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
                        eos_token_id: int | None = None, pad_token_id: int = 0,
                        ignore_eos: bool = False, kv_cache="none", block_size: int = 16,
                        num_blocks: int | None = None, paged_attention: str | None = None,
-                       agree: Callable[[list[int]], list[int]] | None = None) -> list[TokenRun]:
+                       agree: Callable[[list[int]], list[int]] | None = None,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0,
+                       kv_cache_dtype: str = "auto") -> list[TokenRun]:
     """The generation loop every path shares: prefill, then sample / stop / decode.
 
     ``prompts``: token ids per prompt (checked by the caller). Each prompt gets exactly
@@ -221,15 +232,17 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
     ``paged_attention``, one of ``llmlab.attention.paged_backends()``) or a
     :class:`~llmlab.cache.paged.PagedKVCache` to reuse (its prefix cache then serves
     repeated prompt prefixes). ``agree`` maps the sampled tokens to the ones every
-    process uses (tensor parallelism broadcasts rank 0's choice).
+    process uses (tensor parallelism broadcasts rank 0's choice). The penalties are the
+    engine's (:func:`llmlab.sampling.apply_penalties`), applied before sampling.
     """
+    penalized = has_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     ctx = model.config.max_position_embeddings
     budgets = [token_budget(len(p), max_new_tokens, ctx) for p in prompts]
     dev = model.device
     generators = [torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
                   for _ in prompts]
     batch = _make_batch(model, prompts, budgets, pad_token_id, kv_cache, block_size,
-                        num_blocks, paged_attention)
+                        num_blocks, paged_attention, kv_cache_dtype)
     runs = [TokenRun(num_cached_tokens=c) for c in batch.num_cached]
     sync(dev)
     t0 = time.perf_counter()
@@ -238,6 +251,10 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
         logits = batch.prefill()
         while True:
             n = len(active)
+            if penalized:
+                logits = apply_penalties(logits, [prompts[r] for r in active],
+                                         [runs[r].token_ids for r in active], presence_penalty,
+                                         frequency_penalty, repetition_penalty)
             tokens = sample_rows(logits, [temperature] * n, [top_k] * n, [top_p] * n,
                                  [generators[r] for r in active])      # syncs: honest times
             if agree is not None:
@@ -269,7 +286,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              chat: bool = True, kv_cache="none", ignore_eos: bool = False,
              block_size: int = 16, num_blocks: int | None = None,
-             paged_attention: str | None = None, speculative=None):
+             paged_attention: str | None = None, speculative=None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, kv_cache_dtype: str = "auto"):
     """Generate for one prompt (returns a :class:`Generation`) or a list (returns a list).
 
     ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
@@ -291,7 +310,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     forward (notebook 09): one prompt, a contiguous KV cache (``kv_cache`` "none" or
     "contiguous"); same tokens when greedy, same distribution when sampling; the statistics
     are on ``generation.speculative`` (a :class:`llmlab.speculative.SpecStats`).
+    ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``: as in the
+    engine's :class:`~llmlab.engine.SamplingParams` (not with ``speculative``).
+    ``kv_cache_dtype="int8"``: the contiguous or paged cache stores K/V in int8, one scale
+    per token and KV head (``kv_dtype`` of :class:`llmlab.cache.ContiguousKVCache`).
     """
+    check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+    penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                     repetition_penalty=repetition_penalty)
     single = isinstance(prompts, str)
     cfg = model.config
     prompts, encoded = prepare_prompts(tokenizer, prompts, max_new_tokens, temperature, top_k,
@@ -306,6 +332,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if speculative is not None:
         spec = SpeculativeConfig.coerce(speculative)
+        if has_penalties(**penalties):
+            raise ValueError(f"speculative decoding takes no penalties; got {penalties}")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"speculative decoding keeps K/V in the model's dtype; got "
+                             f"kv_cache_dtype={kv_cache_dtype!r}")
         if len(encoded) != 1 or kv_cache not in ("none", "contiguous"):
             raise ValueError(f"speculative decoding runs one prompt on a contiguous KV cache; "
                              f"got {len(encoded)} prompts and kv_cache={kv_cache!r}")
@@ -317,7 +348,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                                   top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
                                   pad_token_id=pad, ignore_eos=ignore_eos, kv_cache=kv_cache,
                                   block_size=block_size, num_blocks=num_blocks,
-                                  paged_attention=paged_attention)
+                                  paged_attention=paged_attention, **penalties,
+                                  kv_cache_dtype=kv_cache_dtype)
     results = []
     for p, ids, run in zip(prompts, encoded, runs):
         toks = run.token_ids

@@ -51,6 +51,10 @@ class SpeculativeConfig:
     ``ngram_max``/``ngram_min``: the longest and shortest suffix the n-gram lookup tries
     to find earlier in the text. ``num_layers``: the early-exit draft's depth (default a
     quarter of the target's layers). ``draft_model``: the model of ``method="draft"``.
+    ``accept_fn``: a replacement for :func:`accept_reject` (same signature), used at every
+    verify step, greedy ones too: there p is one-hot on the target's argmax and q one-hot
+    on each draft, where the rule reduces to greedy verification (notebook 09's exercise
+    plugs the student's rule in here).
     """
 
     method: str = "ngram"
@@ -59,6 +63,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     num_layers: int | None = None
     draft_model: object = None
+    accept_fn: object = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,6 +74,9 @@ class SpeculativeConfig:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min={self.ngram_min} must be <= ngram_max={self.ngram_max}")
+        if self.accept_fn is not None and not callable(self.accept_fn):
+            raise ValueError(f"accept_fn={self.accept_fn!r} must be a function with the "
+                             "signature of llmlab.speculative.accept_reject, or None")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("method='draft' needs draft_model=<an llmlab model with the "
                              "target's vocabulary>")
@@ -180,6 +188,27 @@ def greedy_accept(target_argmax: list[int], drafts: list[int]) -> tuple[int, int
     while n < len(drafts) and drafts[n] == target_argmax[n]:
         n += 1
     return n, target_argmax[n]
+
+
+# -- the cost model ---------------------------------------------------------------------------
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per verify step] when each of k drafts is accepted with probability
+    ``alpha``, independently, until the first rejection: 1 + α + ... + α^k (Leviathan et al.,
+    2023, eq. 1)."""
+    if not 0 <= alpha <= 1 or not isinstance(k, int) or k < 0:
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1] and k={k!r} an int >= 0")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def cost_model_speedup(tokens_per_step: float, k: int, c: float, verify: float = 1.0) -> float:
+    """Speedup over plain decoding ≈ E[tokens per step] / (verify + k·c): a step verifies
+    k drafts at ``verify`` decode steps (1 where decode is memory-bound) after drafting
+    them at ``c`` decode steps each."""
+    if tokens_per_step < 1 or k < 0 or c < 0 or verify <= 0:
+        raise ValueError(f"tokens_per_step={tokens_per_step!r} must be >= 1, k={k!r} >= 0, "
+                         f"c={c!r} >= 0 and verify={verify!r} > 0")
+    return tokens_per_step / (verify + k * c)
 
 
 # -- drafters ---------------------------------------------------------------------------------
@@ -296,6 +325,36 @@ def make_drafter(spec: SpeculativeConfig, model, max_len: int):
     return ModelDrafter(forward, cache, draft.device)
 
 
+def verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, accept_fn,
+           temperature: float, top_k: int | None, top_p: float | None,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """One verify step of one sequence: the target's ``logits`` [n + 1, vocab] at the last
+    emitted token and the n ``drafts``; q [n, vocab] the draft's distributions (None when
+    greedy). Returns (accepted drafts, the next token). ``accept_fn`` (default: greedy
+    comparison, or :func:`accept_reject` when sampling) decides; greedy with an
+    ``accept_fn`` hands it one-hot p and q (argmax of the target, the drafts)."""
+    n = len(drafts)
+    if n == 0:
+        return 0, sample_rows(logits[-1:], [temperature], [top_k], [top_p], [generator])[0]
+    if temperature == 0 and accept_fn is None:
+        return greedy_accept(logits.argmax(-1).tolist(), drafts)
+    draft_ids = torch.tensor(drafts, device=logits.device)
+    if temperature == 0:
+        vocab = logits.shape[-1]
+        p = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+        q = torch.nn.functional.one_hot(draft_ids, vocab).float()
+    else:
+        p = probabilities(logits, temperature, top_k, top_p)
+        q = q.to(p.device)
+    na, nt = (accept_fn or accept_reject)(p[None], q[None], draft_ids[None], generator)
+    n_acc, nxt = int(torch.as_tensor(na).reshape(-1)[0]), int(torch.as_tensor(nt).reshape(-1)[0])
+    if not 0 <= n_acc <= n or not 0 <= nxt < p.shape[-1]:
+        raise ValueError(f"accept_fn returned num_accepted={n_acc}, next_token={nxt}; allowed: "
+                         f"0 <= num_accepted <= {n} (the drafts) and a token id below "
+                         f"{p.shape[-1]}")
+    return n_acc, nxt
+
+
 # -- the loop ---------------------------------------------------------------------------------
 
 @dataclass
@@ -375,15 +434,7 @@ def speculative_token_ids(model, prompt: list[int], max_new_tokens: int,
             stats.draft_s += time.perf_counter() - t
         n = len(drafts)
         logits = target([seq[-1]] + drafts)                           # [n + 1, vocab]
-        if n == 0:
-            n_acc, nxt = 0, sample_rows(logits[-1:], [temperature], [top_k], [top_p], [gen])[0]
-        elif temperature == 0:
-            n_acc, nxt = greedy_accept(logits.argmax(-1).tolist(), drafts)
-        else:
-            p = probabilities(logits, temperature, top_k, top_p)
-            na, nt = accept_reject(p[None], q.to(p.device)[None],
-                                   torch.tensor([drafts], device=p.device), gen)
-            n_acc, nxt = int(na[0]), int(nt[0])
+        n_acc, nxt = verify(logits, drafts, q, spec.accept_fn, temperature, top_k, top_p, gen)
         cache.truncate(cache.length - (n - n_acc))        # forget the rejected drafts' K/V
         drafter.rollback(len(seq) + n_acc)
         stats.accepted_per_step.append(n_acc)             # 0 of 0 on a plain decode step
@@ -394,5 +445,6 @@ def speculative_token_ids(model, prompt: list[int], max_new_tokens: int,
 
 
 __all__ = ["METHODS", "SpeculativeConfig", "SpecStats", "SpecRun", "accept_reject",
-           "greedy_accept", "probabilities", "ngram_propose", "make_drafter",
+           "greedy_accept", "probabilities", "verify", "expected_tokens",
+           "cost_model_speedup", "ngram_propose", "make_drafter",
            "early_exit_forward", "speculative_token_ids"]

@@ -177,7 +177,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_module_list_is_complete():
     names = all_modules()
     for expected in ("llmlab.generate", "llmlab.sampling", "llmlab.prompts",
-                     "llmlab.engine.runner", "llmlab.kernels.flash_attn", "llmlab.bench.serve"):
+                     "llmlab.engine.runner", "llmlab.kernels.flash_attn", "llmlab.bench.serve",
+                     "llmlab.serve.app", "llmlab.serve.client", "llmlab.bench.serve_http"):
         assert expected in names
     assert all(p.exists() for p in module_files().values())
 

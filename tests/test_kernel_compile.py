@@ -2,7 +2,8 @@
 
 The default run builds a representative subset (the head_dim-128 autotune tiles of the
 FlashAttention kernel, where registers are tightest, on both targets; its largest
-head_dim-64 tile; the paged and MoE kernels' default tiles). ``LLMLAB_COMPILE=full``
+head_dim-64 tile; the paged and MoE kernels' default tiles; the quantized GEMM's decode
+tile, int4 and int8). ``LLMLAB_COMPILE=full``
 (``make gpu-compile``) builds the whole matrix of ``python -m llmlab.kernels.report
 --full``: every kernel, tile, mask variant and dtype on both targets.
 """
@@ -31,6 +32,7 @@ def _subset() -> list[R.BuildSpec]:
         out.append(R.flash_spec(arch, "fp16", 64, *largest, key_range=True))
         out.append(R.paged_spec(arch, "bf16", 64, 16))
         out.append(R.moe_spec(arch, "bf16"))
+        out += [R.quant_spec(arch, "bf16", int4=True), R.quant_spec(arch, "bf16", int4=False)]
     return out
 
 
@@ -135,6 +137,12 @@ def test_report_command_prints_one_json_object_per_build():
         assert {"registers", "spill_bytes", "shared_bytes", "occupancy",
                 "tensor_core_instructions"} <= set(row)
         assert row["tensor_core_ops"]["HMMA"] > 0
+    # the same builds (cached now) as the human-readable table and its summary
+    res = subprocess.run([sys.executable, "-m", "llmlab.kernels.report", "--kernel", "moe",
+                          "--arch", "sm_80", "--dtype", "bf16", "--jobs", "1"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "spill_free" in res.stdout and f"moe     {len(rows)}" in res.stdout
 
 
 def test_bad_names_are_refused():

@@ -196,3 +196,33 @@ def test_bad_speculative_arguments(tiny, tokenizer):
         llmlab.generate(tiny, tokenizer, ["Hi", "Yo"], speculative={"method": "ngram"})
     with pytest.raises(ValueError, match="kv_cache='paged'"):
         llmlab.generate(tiny, tokenizer, "Hi", kv_cache="paged", speculative={})
+
+
+def test_an_accept_fn_plugs_into_greedy_and_sampled_steps(tiny, tokenizer):
+    """The hook notebook 09's exercise uses: the library rule as ``accept_fn`` gives plain
+    greedy's tokens (p and q one-hot), and an ``accept_fn`` returning an impossible count
+    is reported with what is allowed."""
+    spec = {"method": "early_exit", "num_tokens": 3, "num_layers": 1}
+    ref = llmlab.generate(tiny, tokenizer, "Hi", max_new_tokens=16, kv_cache="contiguous",
+                          ignore_eos=True)
+    calls = []
+
+    def counting(p, q, drafts, generator=None):
+        calls.append(tuple(p.shape))
+        return accept_reject(p, q, drafts, generator)
+
+    out = llmlab.generate(tiny, tokenizer, "Hi", max_new_tokens=16, ignore_eos=True,
+                          speculative=dict(spec, accept_fn=counting))
+    assert out.token_ids == ref.token_ids and calls and calls[0][:2] == (1, 4)
+    sampled = llmlab.generate(tiny, tokenizer, "Hi", max_new_tokens=8, temperature=1.0, seed=0,
+                              ignore_eos=True, speculative=dict(spec, accept_fn=counting))
+    assert len(sampled.token_ids) == 8
+
+    def too_many(p, q, drafts, generator=None):
+        return torch.tensor([drafts.shape[1] + 1]), torch.tensor([0])
+
+    with pytest.raises(ValueError, match=r"num_accepted=4, next_token=0; allowed: 0 <= num_accepted <= 3"):
+        llmlab.generate(tiny, tokenizer, "Hi", max_new_tokens=8, ignore_eos=True,
+                        speculative=dict(spec, accept_fn=too_many))
+    with pytest.raises(ValueError, match="accept_fn=3 must be a function"):
+        SpeculativeConfig(accept_fn=3)

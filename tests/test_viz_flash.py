@@ -51,10 +51,32 @@ def test_explorer_numbers_and_measurement():
     if has_triton():    # without Triton the panel says so (tests/test_exercises_nb03.py)
         assert r.measured_s > 0
         assert r.measured_spread[0] <= r.measured_s <= r.measured_spread[1]
-    assert len(r.figure.axes) == 3
+    assert len(r.figure.axes) == 4
     big = flash_explorer(block_q=256, block_k=256, head_dim=128, n=1024, measure=False)
     assert not big.fits and big.measured_s is None
     assert "does NOT fit" in big.figure.axes[0].get_title()
+    # a tile the table of builds lacks: the panel says so instead of failing
+    assert isinstance(big.build, str) and "not in the table" in big.build
+    with pytest.raises(ValueError, match=r"num_warps=3; allowed"):
+        flash_explorer(num_warps=3, measure=False)
+
+
+def test_explorer_shows_the_compiled_tile_from_the_table():
+    from llmlab.kernels import report as R
+    r = flash_explorer(block_q=128, block_k=128, head_dim=128, n=4096, chip="H100",
+                       measure=False, num_warps=4)
+    assert r.build == R.lookup("flash", "sm_90", "bf16", block_m=128, block_n=128, head_dim=128,
+                               num_warps=4)
+    panel = r.figure.axes[2]
+    title = " ".join(panel.get_title().split())
+    assert "compiled for H100 (sm_90) on this CPU machine, not run" in title
+    assert "128x128 d128 w4" in title
+    assert f"SPILLS {r.build.spill_bytes} B" in panel.get_xlabel()      # it spills
+    assert [p.get_width() for p in panel.patches][0] == pytest.approx(r.build.registers / 255)
+    w8 = flash_explorer(block_q=128, block_k=128, head_dim=128, chip="A100", measure=False,
+                        num_warps=8)
+    assert w8.build.arch == "sm_80" and w8.build.num_warps == 8
+    assert "compiled for A100 (sm_80)" in w8.figure.axes[2].get_title()
     with pytest.raises(ValueError, match=r"block_k=24 must be a power of two >= 16"):
         flash_explorer(block_k=24, measure=False)
 

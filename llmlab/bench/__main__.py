@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("list", "-h", "--help"):
         print("usage: python -m llmlab.bench <name> [options]\nbenchmarks: " + ", ".join(names()))
         return 0
-    name, rest = argv[0], argv[1:]
+    name, rest = argv[0].replace("-", "_"), argv[1:]    # serve-http runs serve_http
     if name not in names():
         print(f"unknown benchmark {name!r}; allowed: {names()}", file=sys.stderr)
         return 2

@@ -13,7 +13,8 @@ each draft method (``ngram``, ``early_exit``) and k, in one run:
 * c, the draft's cost per drafted token relative to one baseline decode step, and the
   verify step's cost relative to it;
 * the cost model speedup ≈ E[tokens per step] / (1 + k·c), which assumes verifying k+1
-  tokens costs one decode step (true where decode is memory-bound; a CPU pays more).
+  tokens costs one decode step (true where decode is memory-bound; a CPU pays more:
+  the verify/step column).
 
 Taught in notebook 09.
 """
@@ -26,17 +27,24 @@ import time
 import torch
 
 from ..device import default_dtype
+from ..speculative import cost_model_speedup
 from ._common import header, save, table
 
-EDIT_PROMPTS = [
-    "Correct the spelling mistakes in this text and return the corrected text only: "
-    "Yesterday I went to the libary to borow a book about the histroy of Rome. The "
-    "librarian was very helpfull and showed me were the books were.",
-    "Rewrite the following paragraph, replacing every 'cat' with 'dog': The cat sat by the "
-    "window. The cat watched the birds outside, and when the cat got bored it went to sleep "
-    "on the sofa.",
-    "Fix the grammar in this sentence and repeat it: She don't like going to the market "
-    "on Sundays because it are too crowded and the prices is high.",
+EDIT_PROMPTS = [     # a paragraph to correct, answered by copying it with a few changes
+    "Fix the typos in this paragraph and write out the corrected paragraph: The library in our "
+    "town opened in 1965. Every week, hundreds of peple come to borrow books, read newspapers "
+    "and use the computers. The childrens section has story time on Saturday mornings, and the "
+    "libarians help students with their homework after school. Last year the town council voted "
+    "to extend the opening hours, so the library now closes at eight in the evening instead of six.",
+    "Correct the spelling mistakes in this text and return the corrected text only: Yesterday I "
+    "went to the libary to borow a book about the histroy of Rome. The librarian was very "
+    "helpfull and showed me were the books were. I found a big book with many pictures of old "
+    "buildings, and I also took a smaller book about the Roman army. I will return them both "
+    "next week.",
+    "Fix the grammar in this paragraph and write it out again: My brother and me goes to the "
+    "park every Sunday. We plays football with our friends, and after the game we eats ice "
+    "cream near the lake. Last week it were raining, so we stayed at home and watched a film "
+    "about a dog who find his way home.",
 ]
 CHAT_PROMPTS = [
     "What are three good habits for staying healthy?",
@@ -85,14 +93,16 @@ def bench(new_tokens: int, repeats: int, configs, early_layers: int, device,
                     sec, last[j][i] = _run(model, tok, p, new_tokens, spec)
                     times[j][i].append(sec)
         med = [[statistics.median(t) for t in per_cfg] for per_cfg in times]
+        per_repeat = [[sum(t[r] for t in per_cfg) for r in range(repeats)] for per_cfg in times]
         base_ids = [g.token_ids for g in last[0]]
         base_tokens = sum(len(t) for t in base_ids)
         base_s = sum(med[0])
         step_s = base_s / base_tokens                      # one decode step, prefill spread in
         rows.append({"prompts": set_name, "method": "KV-cache greedy", "k": 0,
-                     "tok/s": base_tokens / base_s, "speedup": 1.0, "same": True,
+                     "tok/s": base_tokens / base_s, "speedup": 1.0, "spread": "", "same": True,
                      "accept": float("nan"), "tok/fwd": 1.0, "c": float("nan"),
-                     "verify/step": 1.0, "model x": 1.0})
+                     "verify/step": 1.0, "model x": 1.0,
+                     "model(v) x": 1.0})
         for j, (method, k) in enumerate(configs, start=1):
             stats = [g.speculative for g in last[j]]
             same = all(g.token_ids == ref for g, ref in zip(last[j], base_ids))
@@ -103,21 +113,30 @@ def bench(new_tokens: int, repeats: int, configs, early_layers: int, device,
             c = sum(st.draft_s for st in stats) / drafted / step_s if drafted else 0.0
             per_step = gen / fwd                           # E[tokens per target forward]
             speedup = base_s / sum(med[j])
-            model_x = per_step / (1 + k * c)
+            ratios = [b / x for b, x in zip(per_repeat[0], per_repeat[j])]
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            model_x = cost_model_speedup(per_step, k, c)
             rate = acc / drafted if drafted else 0.0
             verify = sum(st.target_s for st in stats) / fwd / step_s
+            model_v = cost_model_speedup(per_step, k, c, verify)
             rows.append({"prompts": set_name, "method": method, "k": k,
-                         "tok/s": gen / sum(med[j]), "speedup": speedup, "same": same,
+                         "tok/s": gen / sum(med[j]), "speedup": speedup, "spread": spread,
+                         "same": same,
                          "accept": rate, "tok/fwd": per_step, "c": c, "verify/step": verify,
-                         "model x": model_x})
+                         "model x": model_x, "model(v) x": model_v})
             summary.append({"prompts": set_name, "method": method, "k": k, "speedup": speedup,
+                            "speedup_min_max": [min(ratios), max(ratios)],
                             "same_tokens": same, "acceptance": rate,
                             "tokens_per_forward": per_step, "draft_cost": c,
-                            "verify_cost": verify, "cost_model_speedup": model_x})
+                            "verify_cost": verify, "cost_model_speedup": model_x,
+                            "cost_model_speedup_measured_verify": model_v})
     table(rows, floatfmt="{:.3g}")
+    print("   speedup: median times summed over the set; spread: min-max over repeats of the "
+          "set's total time, each repeat timing every configuration in turn")
     print("   accept: accepted/drafted; tok/fwd: tokens per target forward (prefill counted); "
           "c: draft cost per drafted token / one decode step; verify/step: a target forward "
-          "of k+1 tokens / one decode step; model x: tok/fwd / (1 + k*c)")
+          "of k+1 tokens / one decode step; model x: tok/fwd / (1 + k*c); model(v) x: "
+          "tok/fwd / (verify/step + k*c)")
     best = max((r for r in summary if r["prompts"] == "edit" and r["method"] == "ngram"),
                key=lambda r: r["speedup"], default=None)
     if best is not None:

@@ -38,8 +38,8 @@ def _paged_for_model(model, batch: int, max_len: int, block_size: int = 16,
     return PagedKVCache.for_model(model, num_blocks, block_size, **kw)
 
 
-def _contiguous_for_model(model, batch: int, max_len: int) -> ContiguousKVCache:
-    return ContiguousKVCache.for_model(model, batch, max_len)
+def _contiguous_for_model(model, batch: int, max_len: int, **kw) -> ContiguousKVCache:
+    return ContiguousKVCache.for_model(model, batch, max_len, **kw)
 
 
 _FACTORIES: dict[str, Callable | None] = {"none": None, "contiguous": _contiguous_for_model,

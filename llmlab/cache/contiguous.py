@@ -27,6 +27,36 @@ import torch
 from ..config import ModelConfig
 
 
+KV_DTYPES = ("auto", "int8")   # "auto": K/V stored in the model's dtype
+
+
+def check_kv_dtype(kv_dtype) -> str:
+    """``kv_dtype`` if it is one of :data:`KV_DTYPES` (None means ``"auto"``); ValueError else."""
+    kv_dtype = "auto" if kv_dtype is None else kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}; allowed: {list(KV_DTYPES)}")
+    return kv_dtype
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (q int8 [..., head_dim], scale float32 [...]), x ≈ q · scale.
+
+    Symmetric, one scale per vector (one token of one KV head): scale = max|x| / 127, so
+    each element is off by at most scale / 2. (The same rule as the per-channel int8
+    weights of :mod:`llmlab.quant.formats`, along head_dim.)
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))     # an all-zero vector
+    q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q int8 [..., head_dim], scale [...]) -> [..., head_dim] in ``dtype``."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
 def kv_bytes_per_token(config: ModelConfig, bytes_per_el: int = 2) -> int:
     """Bytes of K and V one token occupies across all layers: 2 · layers · kv_heads · head_dim · bytes.
 
@@ -50,13 +80,19 @@ class ContiguousKVCache:
     ``length`` slots (the same for every row) are filled; ``key_padding_mask[:, :length]``
     is True where a slot holds a real token (False for left padding, or for tokens fed
     to a row that already finished); ``real_lengths`` [batch] counts the real tokens.
+
+    ``kv_dtype="int8"`` stores K and V as int8 with one float32 scale per token and KV
+    head (:func:`quantize_kv`; ``k_scale[layer]``, ``v_scale[layer]`` are ``[batch,
+    kv_heads, max_len]``), and dequantizes the filled slots to ``dtype`` whenever attention
+    reads them (a plain PyTorch path): K/V take (head_dim + 4) / (2 · head_dim) of the
+    bytes of float16, (head_dim + 4) / (4 · head_dim) of float32's.
     """
 
     name = "contiguous"
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kv_dtype: str = "auto"):
         for label, value in (("num_layers", num_layers), ("batch", batch),
                              ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                              ("max_len", max_len)):
@@ -64,9 +100,16 @@ class ContiguousKVCache:
                 raise ValueError(f"{label}={value!r} must be a positive int")
         self.num_layers, self.batch, self.max_len = num_layers, batch, max_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kv_dtype, self.dtype = check_kv_dtype(kv_dtype), dtype
         shape = (batch, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = torch.int8 if self.kv_dtype == "int8" else dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        scales = num_layers if self.kv_dtype == "int8" else 0
+        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                        for _ in range(scales)]
+        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                        for _ in range(scales)]
         self.key_padding_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.real_lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
@@ -74,7 +117,8 @@ class ContiguousKVCache:
         self._padded = False         # any False in key_padding_mask[:, :length + pending]?
 
     @classmethod
-    def for_model(cls, model, batch: int, max_len: int) -> "ContiguousKVCache":
+    def for_model(cls, model, batch: int, max_len: int,
+                  kv_dtype: str = "auto") -> "ContiguousKVCache":
         """A cache shaped for ``model`` (a CausalLM), on its device and in its dtype.
 
         ``max_len`` counts slots, left padding included, so a batch may need more than
@@ -85,13 +129,15 @@ class ContiguousKVCache:
         c = model.config
         kv_heads = model.layers[0].self_attn.num_kv_heads
         return cls(c.num_layers, batch, kv_heads, c.head_dim, max_len,
-                   dtype=model.dtype, device=model.device)
+                   dtype=model.dtype, device=model.device, kv_dtype=kv_dtype)
 
     # -- size ------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V tensors (the whole preallocation, used or not)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by the K and V tensors, int8 scales included (the whole
+        preallocation, used or not)."""
+        return sum(t.numel() * t.element_size()
+                   for t in self.k + self.v + self.k_scale + self.v_scale)
 
     @property
     def used_bytes(self) -> int:
@@ -172,19 +218,38 @@ class ContiguousKVCache:
         if s != self._pending:
             raise ValueError(f"attend got {s} new tokens but begin() announced {self._pending}")
         start, end = self.length, self.length + s
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        kc[:, :, start:end] = k.transpose(1, 2)
-        vc[:, :, start:end] = v.transpose(1, 2)
+        self._store(layer_idx, start, end, k, v)
         mask = self.key_padding_mask[:, :end] if self._padded else None
-        k_all, v_all = kc[:, :, :end].transpose(1, 2), vc[:, :, :end].transpose(1, 2)
+        k_all, v_all = self._read(layer_idx, end, q.dtype)
         if s > 1:
             return backend.forward(q, k_all, v_all, causal=True, key_padding_mask=mask)
         return decode_grouped(q, k_all, v_all, backend, mask)
 
+    def _store(self, layer_idx: int, start: int, end: int, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        for new, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            new = new.transpose(1, 2)                    # [batch, kv_heads, s, head_dim]
+            if self.kv_dtype == "int8":
+                new, scale = quantize_kv(new)
+                scales[layer_idx][:, :, start:end] = scale
+            cache[layer_idx][:, :, start:end] = new
+
+    def _read(self, layer_idx: int, end: int, dtype: torch.dtype):
+        """K and V of the first ``end`` slots, [batch, end, kv_heads, head_dim] (int8:
+        dequantized to ``dtype``)."""
+        out = []
+        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            t = cache[layer_idx][:, :, :end]
+            if self.kv_dtype == "int8":
+                t = dequantize_kv(t, scales[layer_idx][:, :, :end], dtype)
+            out.append(t.transpose(1, 2))
+        return out
+
     def __repr__(self) -> str:
         return (f"ContiguousKVCache(layers={self.num_layers}, batch={self.batch}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"length={self.length}/{self.max_len}, {self.nbytes / 2**20:.1f} MiB)")
+                f"length={self.length}/{self.max_len}, {self.nbytes / 2**20:.1f} MiB"
+                + (", int8" if self.kv_dtype == "int8" else "") + ")")
 
 
 def decode_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend,

@@ -189,14 +189,14 @@ class PackedPagedCache:
             out.index_copy_(0, rows, fresh_out)
         attention = self.paged.paged_attention(backend)
         heads, head_dim = q.shape[1:]
-        k_pool, v_pool = self.paged.k[layer_idx], self.paged.v[layer_idx]
         for g in groups:
+            k_pool, v_pool, tables = self.paged.pools(layer_idx, g.tables)
             if g.whole:
                 got = attend_paged(attention, q.reshape(-1, g.seq_q, heads, head_dim), k_pool,
-                                   v_pool, g.tables, causal=True)
+                                   v_pool, tables, causal=True)
                 return got.reshape(1, -1, heads, head_dim)
             qg = q.index_select(0, g.rows).view(-1, g.seq_q, heads, head_dim)
-            got = attend_paged(attention, qg, k_pool, v_pool, g.tables, causal=True)
+            got = attend_paged(attention, qg, k_pool, v_pool, tables, causal=True)
             out.index_copy_(0, g.rows, got.reshape(-1, heads, head_dim))
         return out[None]
 

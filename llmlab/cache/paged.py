@@ -28,6 +28,7 @@ Taught in notebook 04.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable, Hashable, Sequence
 
@@ -36,6 +37,7 @@ import torch
 from .. import attention as attn_backends
 from ..attention.paged import PagedBatch, attend_paged, prepare_paged_batch
 from .block_manager import BlockManager
+from .contiguous import check_kv_dtype, dequantize_kv, quantize_kv
 
 
 class PagedKVCache:
@@ -45,6 +47,14 @@ class PagedKVCache:
     ``llmlab.attention.paged_backends()`` (``"paged"``, ``"paged_sdpa"``,
     ``"paged_triton"``); None uses the layer's backend when it is one of those, else
     ``"paged"``.
+
+    ``kv_dtype="int8"`` stores K and V as int8 with one float32 scale per token and KV
+    head (``k_scale[layer]``, ``v_scale[layer]``: ``[num_blocks, block_size, kv_heads]``;
+    :func:`~llmlab.cache.contiguous.quantize_kv`). Attention then reads, per call, the
+    blocks its block tables reference, dequantized to ``dtype`` into a compact pool
+    (:meth:`pools`), so every backend, ``paged_triton`` included, sees float K/V. In the
+    engine's packed steps, prompts without a cached prefix attend to their own new K/V
+    before quantization; everything read back from the pool went through int8.
     """
 
     name = "paged"
@@ -52,7 +62,7 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
-                 backend: str | None = None):
+                 backend: str | None = None, kv_dtype: str = "auto"):
         for label, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                              ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
@@ -64,9 +74,16 @@ class PagedKVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.backend = backend
+        self.kv_dtype, self.dtype = check_kv_dtype(kv_dtype), dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = torch.int8 if self.kv_dtype == "int8" else dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        scales = num_layers if self.kv_dtype == "int8" else 0
+        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                        for _ in range(scales)]
+        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                        for _ in range(scales)]
         self._ids = itertools.count()
         self._slot_mapping: torch.Tensor | None = None     # [batch, seq_q] long, -1 = skip
         self._tables: PagedBatch | None = None             # int32 block tables and lengths
@@ -86,9 +103,10 @@ class PagedKVCache:
     # -- size ------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block across all layers."""
+        """K and V bytes of one block across all layers (int8: scales included)."""
         t = self.k[0]
-        return 2 * self.num_layers * t[0].numel() * t.element_size()
+        scale = 4 * t[0].numel() // self.head_dim if self.kv_dtype == "int8" else 0
+        return 2 * self.num_layers * (t[0].numel() * t.element_size() + scale)
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +128,8 @@ class PagedKVCache:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
         dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
-        for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for pool in self.k + self.v + self.k_scale + self.v_scale:
+            pool[dst] = pool[src]
 
     def prepare(self, seq_ids: Sequence[Hashable], num_new: Sequence[int]) -> torch.Tensor:
         """Set up the next forward for ``seq_ids``, each feeding its ``num_new`` newest tokens.
@@ -152,8 +169,12 @@ class PagedKVCache:
         if has_pads:
             keep = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        self.k[layer_idx].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
-        self.v[layer_idx].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+        kv = self.num_kv_heads
+        for new, pool, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            if self.kv_dtype == "int8":
+                new, scale = quantize_kv(new)
+                scales[layer_idx].view(-1, kv).index_copy_(0, slot_mapping, scale)
+            pool[layer_idx].view(-1, kv, self.head_dim).index_copy_(0, slot_mapping, new)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend) -> torch.Tensor:
@@ -171,8 +192,23 @@ class PagedKVCache:
         self.write(layer_idx, k.reshape(b * s, self.num_kv_heads, self.head_dim),
                    v.reshape(b * s, self.num_kv_heads, self.head_dim),
                    self._slot_mapping.reshape(-1))
-        return attend_paged(self.paged_attention(backend), q, self.k[layer_idx],
-                            self.v[layer_idx], self._tables, causal=True)
+        k_pool, v_pool, tables = self.pools(layer_idx, self._tables)
+        return attend_paged(self.paged_attention(backend), q, k_pool, v_pool, tables, causal=True)
+
+    def pools(self, layer_idx: int, tables: PagedBatch
+              ) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        """(k pool, v pool, tables) for attention over ``tables``: the stored pools, or for
+        int8 the blocks the tables reference, dequantized into a compact pool (block i·width
+        + j holds row i's j-th block) with the tables renumbered to match."""
+        if self.kv_dtype != "int8":
+            return self.k[layer_idx], self.v[layer_idx], tables
+        table = tables.block_table
+        used = table.clamp_min(0).long().reshape(-1)
+        k = dequantize_kv(self.k[layer_idx][used], self.k_scale[layer_idx][used], self.dtype)
+        v = dequantize_kv(self.v[layer_idx][used], self.v_scale[layer_idx][used], self.dtype)
+        compact = torch.arange(used.numel(), dtype=table.dtype, device=table.device)
+        compact = torch.where(table >= 0, compact.view_as(table), table)
+        return k, v, dataclasses.replace(tables, block_table=compact)
 
     def paged_attention(self, layer_backend) -> Callable:
         """The with-KV-cache function that reads this pool: the cache's ``backend``, else

@@ -7,11 +7,13 @@
 
 :class:`LLMEngine` is the step loop: ``schedule`` (which sequences, how many tokens) →
 ``execute`` (one forward over the paged KV cache) → ``sample`` (one token per
-sequence, each with its own parameters) → ``finish`` checks (EOS, stop strings,
+sequence, each with its own parameters: penalties first, then the sampler, then the
+log-probabilities asked for) → ``finish`` checks (EOS, stop strings,
 max_tokens, context) that free seats and blocks for the next step. :class:`LLM` wraps
 it: prompts in, :class:`RequestOutput` per prompt out, in input order, with TTFT, TPOT
 and end-to-end latency per request; ``chat`` applies the chat template; ``stream``
-yields tokens as they are produced. Taught in notebook 05.
+yields tokens as they are produced; ``beam_search`` keeps the most likely sequences
+(:mod:`llmlab.engine.beam`). Taught in notebook 05.
 
 A step can fail anywhere (a bug, bad input, or a student pressing the stop button):
 the engine then sends its running sequences back to the waiting queue with no block
@@ -32,9 +34,10 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..device import resolve_dtype
+from .beam import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from .runner import ModelRunner, choose_paged_attention
 from ..prompts import check_token_ids
-from ..sampling import sample_rows
+from ..sampling import apply_penalties, processed_logprobs, sample_rows, token_logprobs
 from ..stopping import finish_reason
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import (CompletionOutput, Request, RequestOutput, SamplingParams, Sequence,
@@ -91,6 +94,7 @@ class TokenEvent:
                                  # what may be the start of a stop string)
     finished: bool
     finish_reason: str | None = None
+    logprobs: dict[int, float] | None = None   # this token's, if SamplingParams.logprobs
 
 
 class LLMEngine:
@@ -107,7 +111,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  paged_attention: str | None = None, seed: int = 0,
-                 decode_attention: str | None = None):
+                 decode_attention: str | None = None, kv_cache_dtype: str = "auto"):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
@@ -120,14 +124,14 @@ class LLMEngine:
                                       max_model_len, enable_chunked_prefill)
         paged_attention = choose_paged_attention(paged_attention, model.device, decode_attention)
         if num_blocks is None:
-            probe = PagedKVCache.for_model(model, 1, block_size)
+            probe = PagedKVCache.for_model(model, 1, block_size, kv_dtype=kv_cache_dtype)
             per_seq = -(-max_model_len // block_size)
             num_blocks = max(1, min(DEFAULT_KV_CACHE_BYTES // probe.bytes_per_block,
                                     per_seq * max_num_seqs))
         self.model, self.tokenizer = model, tokenizer
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size,
                                             enable_prefix_caching=enable_prefix_caching,
-                                            backend=paged_attention)
+                                            backend=paged_attention, kv_dtype=kv_cache_dtype)
         self.scheduler = Scheduler(self.config, self.cache.manager, schedule_fn)
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_token_id = eos
@@ -240,24 +244,53 @@ class LLMEngine:
         # got no token, so a seeded request samples what it would have without the failure
         self._rng_states = {s.seq_id: (len(s.output_token_ids), s.generator.get_state())
                             for s in scheduled if s.generator is not None}
-        tokens = self._sample(logits, scheduled)
+        logits = self._penalize(logits, scheduled)
+        tokens, logprobs = self._sample(logits, scheduled)
         now = self.now()
         produced = []
         for row, (seq, tok) in enumerate(zip(scheduled, tokens)):
             req = seq.request
             if not seq.output_token_ids and len(req.seqs) < req.params.n:
                 produced += self._fork(seq, logits[row], now)
+            self._keep_logprobs(seq, logprobs[row])
             self._append(seq, tok, now)
             produced.append((seq, tok))
         self._rng_states = {}
         self._record(work, start, seats)
         return produced
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of ``logits`` [len(seqs), vocab], with each sequence's params."""
+    @staticmethod
+    def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The rows of sequences with presence / frequency / repetition penalties,
+        penalised (:func:`llmlab.sampling.apply_penalties`); the others as they are."""
+        rows = [r for r, s in enumerate(seqs) if s.request.params.penalized]
+        if not rows:
+            return logits
+        ps = [seqs[r].request.params for r in rows]
+        logits = logits.clone()
+        logits[rows] = apply_penalties(
+            logits[rows], [seqs[r].prompt_token_ids for r in rows],
+            [seqs[r].output_token_ids for r in rows], [p.presence_penalty for p in ps],
+            [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps])
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]
+                ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """One token per row of ``logits`` [len(seqs), vocab], with each sequence's params;
+        and per row its log-probabilities ``{token: logprob}`` (None unless asked for)."""
         params = [s.request.params for s in seqs]
-        return sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
-                           [p.top_p for p in params], [s.generator for s in seqs])
+        tokens = sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [s.generator for s in seqs])
+        entries: list[dict[int, float] | None] = [None] * len(seqs)
+        rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            lp = processed_logprobs(logits[rows], [params[r].temperature for r in rows])
+            found = token_logprobs(lp, [tokens[r] for r in rows],
+                                   [params[r].logprobs for r in rows])
+            for r, d in zip(rows, found):
+                entries[r] = d
+        return tokens, entries
 
     def _fork(self, parent: Sequence, logits: torch.Tensor, now: float) -> list:
         """n > 1: the other completions share the parent's prompt blocks (copy-on-write)."""
@@ -270,8 +303,9 @@ class LLMEngine:
             self.cache.manager.fork(parent.seq_id, child.seq_id)
             req.seqs.append(child)
             self.scheduler.add_running(child)
-            tok = sample_rows(logits[None], [p.temperature], [p.top_k], [p.top_p],
-                              [child.generator])[0]
+            toks, logprobs = self._sample(logits[None], [child])
+            tok = toks[0]
+            self._keep_logprobs(child, logprobs[0])
             self._append(child, tok, now)
             made.append((child, tok))
         return made
@@ -296,6 +330,12 @@ class LLMEngine:
         if why == "length":
             return SequenceStatus.FINISHED_LENGTH, None, None
         return None, None, None
+
+    @staticmethod
+    def _keep_logprobs(seq: Sequence, logprobs: dict[int, float] | None) -> None:
+        """Store the log-probabilities of the token about to be appended (if asked for)."""
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
 
     def _append(self, seq: Sequence, tok: int, now: float) -> None:
         seq.output_token_ids.append(tok)
@@ -338,10 +378,13 @@ class LLMEngine:
                 del req.seqs[1:]
                 parent.output_token_ids.clear()
                 parent.token_times.clear()
+                parent.reset_logprobs()
                 parent.status, parent.text = SequenceStatus.WAITING, ""
                 parent.stop_reason = parent.finish_time = None
                 parent.generator = self._generator(req.params, 0)
             for seq in req.seqs:
+                if seq.logprobs is not None:   # stopped between a token's logprobs and itself
+                    del seq.logprobs[len(seq.output_token_ids):]
                 saved = self._rng_states.get(seq.seq_id)
                 if saved is not None and saved[0] == len(seq.output_token_ids):
                     seq.generator.set_state(saved[1])
@@ -390,7 +433,9 @@ class LLMEngine:
                                  None, req.error)
         outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
                                  s.status.value if s.finished else None, s.stop_reason,
-                                 s.metrics(), s.num_preemptions)
+                                 s.metrics(), s.num_preemptions,
+                                 None if s.logprobs is None else list(s.logprobs),
+                                 s.cumulative_logprob)
                 for s in sorted(req.seqs, key=lambda s: s.index)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              req.finished, outs[0].metrics if outs else None)
@@ -484,8 +529,10 @@ class LLM:
     name runs (default: CUDA if present; bfloat16 on a GPU, float32 on a CPU, see
     :func:`llmlab.device.default_dtype`); the KV pool takes the model's dtype. An
     already loaded model keeps its own, and a ``dtype`` that differs from it is refused.
-    ``enable_chunked_prefill``: prompts
-    are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"int8"`` (one scale per token
+    and KV head, dequantized when read: a block takes about half the bytes of bfloat16,
+    so the default pool holds about twice the blocks). ``enable_chunked_prefill``:
+    prompts are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
     :mod:`llmlab.engine.scheduler`).
     """
 
@@ -496,7 +543,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  attention: str = "sdpa", paged_attention: str | None = None, device=None,
                  dtype: str | torch.dtype | None = None, seed: int = 0,
-                 decode_attention: str | None = None):
+                 decode_attention: str | None = None, kv_cache_dtype: str = "auto"):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -526,7 +573,7 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 paged_attention=paged_attention, seed=seed,
-                                decode_attention=decode_attention)
+                                decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype)
 
     # -- inputs ------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -539,13 +586,26 @@ class LLM:
         raise ValueError(f"a prompt must be a string, a list of token ids or "
                          f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
 
-    def _submit(self, prompts, sampling_params, arrival_times) -> list[Request]:
+    def _encode_all(self, prompts) -> list[tuple[str | None, list[int]]]:
+        """One prompt or a list -> (text or None, token ids) each; ValueError naming the
+        first prompt with a token id outside the vocabulary (nothing is queued)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty")
+        encoded = [self._encode(p) for p in prompts]       # every prompt checked before any
+        for i, (_, ids) in enumerate(encoded):              # is queued
+            try:
+                self.engine.check_token_ids(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return encoded
+
+    def _submit(self, prompts, sampling_params, arrival_times) -> list[Request]:
+        encoded = self._encode_all(prompts)
+        prompts = [text for text, _ in encoded]
         params = _as_params(sampling_params, len(prompts))
         if arrival_times is not None:
             arrival_times = [float(a) for a in arrival_times]
@@ -553,12 +613,6 @@ class LLM:
                 raise ValueError(f"arrival_times must be {len(prompts)} offsets >= 0 (seconds "
                                  "after the call)")
         eng = self.engine
-        encoded = [self._encode(p) for p in prompts]       # every prompt checked before any
-        for i, (_, ids) in enumerate(encoded):              # is queued
-            try:
-                eng.check_token_ids(ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
         eng.stats = EngineStats()
         base = eng.now()
         order = range(len(prompts))
@@ -667,7 +721,8 @@ class LLM:
                     if i is None:          # a request of another call sharing the engine
                         continue
                     yield TokenEvent(i, seq.index, tok, self._new_text(seq, shown),
-                                     seq.finished, seq.status.value if seq.finished else None)
+                                     seq.finished, seq.status.value if seq.finished else None,
+                                     seq.logprobs[-1] if seq.logprobs else None)
         except BaseException:              # GeneratorExit too: the caller stopped reading
             self._abort(reqs)
             raise
@@ -688,9 +743,41 @@ class LLM:
         shown[seq.seq_id] = text
         return text[len(before):]
 
+    def beam_search(self, prompts, params: BeamSearchParams | int, max_tokens: int | None = None,
+                    *, ignore_eos: bool = False, temperature: float = 0.0,
+                    length_penalty: float = 1.0) -> list[BeamSearchOutput]:
+        """The ``beam_width`` most likely completions of each prompt (see
+        :mod:`llmlab.engine.beam`); one :class:`BeamSearchOutput` per prompt, in input
+        order, its ``sequences`` best score first.
+
+        As vLLM: ``llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=16))``;
+        or the plain numbers ``llm.beam_search(prompts, 4, 16)`` with the other fields as
+        keywords. ``prompts`` as for :meth:`generate`. The beams share KV blocks (fork,
+        copy-on-write); all are free again when it returns. The step log is ``llm.stats``
+        (``free_blocks`` per step shows the sharing).
+        """
+        if isinstance(params, BeamSearchParams):
+            if max_tokens is not None:
+                raise ValueError("pass max_tokens inside BeamSearchParams, or pass "
+                                 "beam_width and max_tokens as numbers; not both")
+        else:
+            if max_tokens is None:
+                raise ValueError(f"beam_search(prompts, beam_width={params!r}, max_tokens) "
+                                 "needs max_tokens (or a BeamSearchParams)")
+            params = BeamSearchParams(params, max_tokens, ignore_eos, temperature,
+                                      length_penalty)
+        encoded = self._encode_all(prompts)
+        eng = self.engine
+        eng.stats = EngineStats()
+        t = eng.now()
+        try:
+            return BeamSearcher(eng, params).run(encoded)
+        finally:
+            eng.stats.wall_s += eng.now() - t
+
     @property
     def stats(self) -> EngineStats:
-        """The step log of the last generate / chat / stream call."""
+        """The step log of the last generate / chat / stream / beam_search call."""
         return self.engine.stats
 
 

@@ -22,18 +22,28 @@ from dataclasses import dataclass, field
 import torch
 
 from ..profiling.metrics import RequestMetrics
-from ..sampling import check_sampling_args
+from ..sampling import check_sampling_args, has_penalties
 
 
 @dataclass
 class SamplingParams:
-    """How to turn logits into tokens for one request (vLLM's names and meanings).
+    """How to turn logits into tokens for one request (vLLM's names and meanings,
+    https://docs.vllm.ai/en/latest/api/vllm/sampling_params/).
 
     ``temperature=0`` is greedy. ``top_k`` None (or -1) and ``top_p`` 1.0 disable those
     filters. ``n`` completions share the prompt's KV blocks (a fork, copy-on-write).
     ``stop``: strings that end a completion (not included in its text). ``ignore_eos``
     keeps generating past the end-of-sequence token. ``seed`` makes sampling
     reproducible per request, whatever else is in the batch.
+
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is off) lower the logits
+    of tokens the completion has already generated, once / once per occurrence;
+    ``repetition_penalty`` (> 0, 1 is off) shrinks the logits of tokens seen in the prompt
+    or the completion (see :func:`llmlab.sampling.apply_penalties`). ``logprobs`` (None or
+    0..20): each completion reports, per generated token, the log-probability of the
+    chosen token and of the ``logprobs`` most likely ones, and their sum
+    (``cumulative_logprob``), from the distribution sampled (penalties and temperature
+    applied, before top-k / top-p; see :mod:`llmlab.sampling`).
     """
 
     n: int = 1
@@ -44,6 +54,10 @@ class SamplingParams:
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -51,7 +65,10 @@ class SamplingParams:
         if self.top_p is None:   # None and 1.0 both mean no top-p filter
             self.top_p = 1.0
         # the same validator as llmlab.generate: both accept and refuse the same values
-        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed)
+        check_sampling_args(self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed,
+                            presence_penalty=self.presence_penalty,
+                            frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
         if self.top_k == -1:
             self.top_k = None
         if isinstance(self.stop, str):
@@ -66,6 +83,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return has_penalties(self.presence_penalty, self.frequency_penalty,
+                             self.repetition_penalty)
 
 
 class SequenceStatus(enum.Enum):
@@ -98,6 +121,22 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     text: str = ""
+    logprobs: list[dict[int, float]] | None = None   # per output token, if params.logprobs
+
+    def __post_init__(self) -> None:
+        self.reset_logprobs()
+
+    def reset_logprobs(self) -> None:
+        """Empty log-probabilities when its request asks for them, else None."""
+        params = getattr(self.request, "params", None)
+        self.logprobs = [] if getattr(params, "logprobs", None) is not None else None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of its chosen tokens' log-probabilities (None unless asked for)."""
+        if self.logprobs is None:
+            return None
+        return sum(d[t] for d, t in zip(self.logprobs, self.output_token_ids))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -161,6 +200,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None   # the stop string or EOS id that ended it
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_preemptions: int = 0
+    # SamplingParams.logprobs set: per generated token {token id: logprob} (the chosen
+    # token and the top ones), and the chosen tokens' sum; None otherwise (as vLLM)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ model and of the GPU say so in their titles: they are models, not measurements.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -220,6 +221,58 @@ def plot_gpu_model(ns: list[int], d: int = 64, heads: int = 32, batch: int = 1,
     return fig, m
 
 
+# -- what the compiler made of a tile (notebooks 03, 04, 06) ------------------------------
+
+def compiled_build(kernel: str, chip: str = "H100", dtype: str = "bf16", **tile):
+    """The committed ahead-of-time build of one widget tile for ``chip`` (A100, H100, H200),
+    as :func:`llmlab.kernels.report.lookup`; a str saying why where the table lacks it."""
+    from ..kernels import report
+    try:
+        return report.lookup(kernel, chip, dtype, **tile)
+    except (report.MissingBuild, FileNotFoundError) as exc:
+        return f"not in the table of builds: {exc}"
+
+
+def draw_build(ax, build, chip: str = "H100") -> None:
+    """One panel: registers of the 255 a thread may hold, shared memory of the per-block
+    limit and theoretical occupancy as bars, with spills, tensor-core instructions and the
+    occupancy limiter written out. ``build`` is a report.Build or a str (why there is none)."""
+    from ..kernels.report import ARCHS, CHIP_ARCH
+    arch = CHIP_ARCH.get(chip, chip)
+    head = f"compiled for {chip} ({arch}) on this CPU machine"
+    if isinstance(build, str):
+        ax.set_axis_off()
+        ax.set_title(f"{head}, not run", fontsize=8)
+        ax.text(0, 0.5, textwrap.fill(build, 50), fontsize=7, va="center", transform=ax.transAxes)
+        return
+    lim = ARCHS[build.arch]
+    rows = [("regs/thread", build.registers / lim.max_registers_per_thread,
+             f"{build.registers} of {lim.max_registers_per_thread}"),
+            ("smem/block", build.shared_bytes / lim.shared_per_block,
+             f"{build.shared_bytes / 1024:.0f} of {lim.shared_per_block // 1024} KiB"),
+            ("occupancy", build.occupancy,
+             f"{build.occupancy:.0%}: {build.blocks_per_sm} block(s)/SM, "
+             f"{build.occupancy_limiter}")]
+    ys = np.arange(len(rows))[::-1]
+    fracs = [min(r[1], 1.0) for r in rows]
+    # red: registers or shared memory at (or within 5% of) the limit
+    colors = ["#c44e52" if r[1] >= 0.95 and i < 2 else "#4c72b0" for i, r in enumerate(rows)]
+    ax.barh(ys, fracs, color=colors, height=0.6)
+    for y, (_, frac, text) in zip(ys, rows):   # inside a long bar, after a short one
+        inside = min(frac, 1) > 0.55
+        ax.text(0.02 if inside else frac + 0.02, y, text + ("  (OVER)" if frac > 1 else ""),
+                va="center", fontsize=7, color="white" if inside else "black")
+    ax.set_yticks(ys, [r[0] for r in rows], fontsize=7)
+    ax.set_xlim(0, 1)
+    ax.set_xticks([0, 0.5, 1], ["0", "50%", "limit"], fontsize=7)
+    spill = (f"SPILLS {build.spill_bytes} B/thread to local memory" if build.spills
+             else "no spills")
+    tc = ", ".join(f"{k} {v}" for k, v in build.tensor_core_ops.items()) or "none"
+    ax.set_xlabel(f"{spill}; tensor-core instructions: {tc}", fontsize=7,
+                  color="#c44e52" if build.spills else "black")
+    ax.set_title(f"{head},\nnot run: {build.dtype} {build.config}", fontsize=8)
+
+
 @dataclass
 class ExplorerResult:
     """What the block-size explorer drew."""
@@ -238,9 +291,11 @@ class ExplorerResult:
     measured_what: str
     measured_spread: tuple[float, float] | None = None   # (min, max) of the timed runs
     figure: object = None
+    num_warps: int = 4
+    build: object = None               # report.Build for the chip, or a str: why there is none
 
 
-def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int
+def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int, num_warps: int = 4
                     ) -> tuple[float | None, tuple[float, float] | None, str]:
     """Time the Triton kernel (median of 5 runs after a warm-up, and the min–max spread):
     compiled on a GPU, interpreted on CPU. Returns (median s, (min s, max s), what ran)."""
@@ -257,7 +312,8 @@ def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int
     q, k, v = (torch.randn(1, n, 1, head_dim, generator=g).to(dev, dtype) for _ in range(3))
 
     def run():
-        return flash_attn_func(q, k, v, causal=True, block_m=block_q, block_n=block_k)
+        return flash_attn_func(q, k, v, causal=True, block_m=block_q, block_n=block_k,
+                               num_warps=num_warps if dev == "cuda" else None)
 
     if dev == "cuda":
         try:
@@ -270,30 +326,7 @@ def _measure_kernel(n: int, block_q: int, block_k: int, head_dim: int
             "Triton interpreter on CPU (NumPy running each program: not a GPU's speed)")
 
 
-def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: int = 4096,
-                   chip: str = "H100", measure: bool = True,
-                   interpreter_n: int = 128) -> ExplorerResult:
-    """Redraw for one (Br, Bc, d, N): the tile's on-chip footprint against the chip's
-    shared memory, the modelled HBM traffic of standard vs tiled attention, and a
-    measured time of the Triton kernel with these blocks (on CPU: the interpreter at
-    N = min(n, ``interpreter_n``), causal, one head)."""
-    for name, val in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
-        if not isinstance(val, int) or val < 16 or val & (val - 1):
-            raise ValueError(f"{name}={val!r} must be a power of two >= 16 (16, 32, 64, ...)")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be a positive int")
-    spec = _as_chip(chip)
-    fp = tile_footprint(block_q, block_k, head_dim, bytes_per_el=2)
-    std = standard_attention_hbm(n, head_dim).total
-    tiled = tiled_attention_hbm(n, head_dim, block_q, block_k, causal=True).total
-    measured_n = measured_s = spread = None
-    what = "not measured"
-    if measure:
-        measured_n = n if torch.cuda.is_available() else min(n, interpreter_n)
-        measured_s, spread, what = _measure_kernel(measured_n, block_q, block_k, head_dim)
-
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), dpi=DPI)
-    ax = axes[0]
+def _draw_footprint(ax, fp, spec: ChipSpec, block_q: int, block_k: int, head_dim: int) -> None:
     parts = [("Q", fp.q), ("K+V", fp.kv), ("scores fp32", fp.scores), ("acc fp32", fp.acc),
              ("m, l", fp.stats)]
     bottom = 0
@@ -309,7 +342,8 @@ def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: 
                  f"({'fits' if fp.fits(spec) else 'does NOT fit'})", fontsize=9)
     ax.legend(fontsize=6, loc="center right")
 
-    ax = axes[1]
+
+def _draw_traffic(ax, n: int, std: int, tiled: int, spec: ChipSpec) -> None:
     ax.bar(["standard", "tiled"], [std / 2**20, tiled / 2**20], color=["#c44e52", "#4c72b0"])
     ax.set_ylabel("HBM MiB (one head, bf16)")
     ax.set_title(f"modelled traffic, N={n}, causal: tiled/standard = {tiled / std:.2f}",
@@ -318,17 +352,53 @@ def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: 
         ax.text(i, b / 2**20, f"{b / spec.hbm_bandwidth * 1e6:.0f} µs", ha="center",
                 va="bottom", fontsize=7)
 
-    ax = axes[2]
-    if measured_s is not None:
-        err = [[(measured_s - spread[0]) * 1e3], [(spread[1] - measured_s) * 1e3]]
-        ax.bar(["flash_triton"], [measured_s * 1e3], yerr=err, capsize=4, color="#55a868",
-               width=0.5)
-        ax.set_ylabel("ms (median; bar: min–max)")
-        ax.set_title(f"measured, N={measured_n}, causal: {measured_s * 1e3:.1f} ms", fontsize=9)
-        ax.set_xlabel(what.replace(" (", "\n("), fontsize=7)
-    else:
+
+def _draw_measured(ax, measured_s, spread, measured_n, what: str) -> None:
+    if measured_s is None:
         ax.set_axis_off()
         ax.set_title(what, fontsize=9)
+        return
+    err = [[(measured_s - spread[0]) * 1e3], [(spread[1] - measured_s) * 1e3]]
+    ax.bar(["flash_triton"], [measured_s * 1e3], yerr=err, capsize=4, color="#55a868", width=0.5)
+    ax.set_ylabel("ms (median; bar: min–max)")
+    ax.set_title(f"measured, N={measured_n}, causal: {measured_s * 1e3:.1f} ms", fontsize=9)
+    ax.set_xlabel(what.replace(" (", "\n("), fontsize=7)
+
+
+def flash_explorer(block_q: int = 64, block_k: int = 64, head_dim: int = 64, n: int = 4096,
+                   chip: str = "H100", measure: bool = True, interpreter_n: int = 128,
+                   num_warps: int = 4) -> ExplorerResult:
+    """Redraw for one (Br, Bc, d, N, warps): the tile's on-chip footprint against the chip's
+    shared memory, the modelled HBM traffic of standard vs tiled attention, what the
+    compiler made of this tile for the chip (bf16, from the committed table of
+    :func:`llmlab.kernels.report.lookup`: compiled on a CPU, not run), and a measured time
+    of the Triton kernel with these blocks (on CPU: the interpreter at
+    N = min(n, ``interpreter_n``), causal, one head)."""
+    for name, val in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val < 16 or val & (val - 1):
+            raise ValueError(f"{name}={val!r} must be a power of two >= 16 (16, 32, 64, ...)")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive int")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps!r}; allowed: 1, 2, 4, 8, 16")
+    spec = _as_chip(chip)
+    fp = tile_footprint(block_q, block_k, head_dim, bytes_per_el=2)
+    std = standard_attention_hbm(n, head_dim).total
+    tiled = tiled_attention_hbm(n, head_dim, block_q, block_k, causal=True).total
+    built = compiled_build("flash", chip, "bf16", block_m=block_q, block_n=block_k,
+                           head_dim=head_dim, num_warps=num_warps)
+    measured_n = measured_s = spread = None
+    what = "not measured"
+    if measure:
+        measured_n = n if torch.cuda.is_available() else min(n, interpreter_n)
+        measured_s, spread, what = _measure_kernel(measured_n, block_q, block_k, head_dim,
+                                                   num_warps)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.2), dpi=DPI)
+    _draw_footprint(axes[0, 0], fp, spec, block_q, block_k, head_dim)
+    _draw_traffic(axes[0, 1], n, std, tiled, spec)
+    draw_build(axes[1, 0], built, chip)
+    _draw_measured(axes[1, 1], measured_s, spread, measured_n, what)
     fig.tight_layout()
     return ExplorerResult(block_q, block_k, head_dim, n, fp.total, spec.smem_per_sm,
-                          fp.fits(spec), std, tiled, measured_n, measured_s, what, spread, fig)
+                          fp.fits(spec), std, tiled, measured_n, measured_s, what, spread, fig,
+                          num_warps, built)

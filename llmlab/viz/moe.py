@@ -9,6 +9,7 @@ a roofline model of the GPU case, labelled as a model.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -245,3 +246,87 @@ def plot_compute_accounts(accounts: list[ComputeAccount]):
     ax.set_ylim(top=max(a.total_params for a in accounts) * 8)
     fig.tight_layout()
     return fig
+
+
+@dataclass
+class GemmTileExploration:
+    """What the grouped-GEMM tile explorer drew."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    rows: int                    # (token, expert) rows of the routed batch
+    padded_rows: int             # rows the BLOCK_M tiles cover: each expert's group rounded up
+    measured_s: float | None     # median of the timed runs
+    measured_spread: tuple[float, float] | None
+    measured_what: str
+    build: object = None         # report.Build for the chip, or a str: why there is none
+    figure: object = None
+
+
+def _time_grouped_gemm(x, w, offsets, block_m, block_n, block_k):
+    """(median s, (min s, max s), what ran) of the Triton grouped GEMM with this tile:
+    compiled on a GPU, interpreted on a CPU (median of 5 after a warm-up)."""
+    from ..device import has_triton
+    from ..profiling import time_fn
+    if not has_triton():
+        return None, None, "not measured: Triton is not installed here"
+    from ..kernels.moe_gemm import grouped_gemm_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    x, w, offsets = x.to(dev, dtype), w.to(dev, dtype), offsets.to(dev)
+    r = time_fn(lambda: grouped_gemm_triton(x, w, offsets, None, block_m, block_n, block_k),
+                repeats=5, warmup=1, device=dev)
+    what = ("compiled kernel, bf16" if dev == "cuda" else
+            "Triton interpreter on CPU (NumPy running each program: not a GPU's speed)")
+    return r.median_s, (min(r.times_s), max(r.times_s)), what
+
+
+def gemm_tile_explorer(block_m: int = 32, block_n: int = 64, block_k: int = 32,
+                       chip: str = "H100", tokens: int = 32, num_experts: int = 8,
+                       top_k: int = 2, hidden: int = 64, out_features: int = 128,
+                       measure: bool = True) -> GemmTileExploration:
+    """Widget callback for the grouped GEMM's tile: what the compiler made of it for
+    ``chip`` (bfloat16, 4 warps, 3 stages as the kernel is launched; from the committed
+    table of :func:`llmlab.kernels.report.lookup`: compiled on a CPU, not run), the rows
+    its BLOCK_M tiles compute against the routed rows (each expert's group is rounded up to
+    whole tiles), and the kernel timed with this tile on ``tokens`` routed tokens."""
+    from .flash import compiled_build, draw_build
+    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise ValueError(f"{name}={b!r} must be a power of two >= 16 (16, 32, 64, ...)")
+    _, _, experts = synthetic_routing(tokens, num_experts, top_k, skew=1.0, hidden=hidden)
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(counts, 0)
+    padded = int(sum(-(-int(c) // block_m) * block_m for c in counts))
+    built = compiled_build("moe", chip, "bf16", block_m=block_m, block_n=block_n, block_k=block_k)
+    med = spread = None
+    what = "not measured"
+    if measure:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(int(offsets[-1]), hidden, generator=g)
+        w = torch.randn(num_experts, out_features, hidden, generator=g) / hidden ** 0.5
+        med, spread, what = _time_grouped_gemm(x, w, offsets, block_m, block_n, block_k)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(11, 3.2), dpi=80,
+                                  gridspec_kw={"width_ratios": [1.15, 0.8, 0.8]})
+    draw_build(a, built, chip)
+    rows = int(offsets[-1])
+    b.bar(["routed rows", "tile rows"], [rows, padded], color=["#4c72b0", "#dd8452"])
+    b.set_title(f"BLOCK_M={block_m}: {padded / rows:.2f}× the rows computed\n"
+                f"({tokens} tokens, top-{top_k} of {num_experts} experts)", fontsize=8)
+    b.tick_params(labelsize=7)
+    if med is None:
+        c.set_axis_off()
+        c.set_title(what, fontsize=8)
+    else:
+        c.bar(["grouped GEMM"], [med * 1e3], yerr=[[(med - spread[0]) * 1e3],
+                                                   [(spread[1] - med) * 1e3]],
+              capsize=4, color="#55a868", width=0.5)
+        c.set_ylabel("ms (median; bar: min–max)", fontsize=8)
+        c.set_title(f"measured: {med * 1e3:.1f} ms\n{rows} rows, K={hidden} -> N={out_features}, "
+                    f"{num_experts} experts", fontsize=8)
+        c.set_xlabel(textwrap.fill(what, 34), fontsize=7)
+    fig.tight_layout()
+    return GemmTileExploration(block_m, block_n, block_k, rows, padded, med, spread, what,
+                               built, fig)

@@ -160,15 +160,25 @@ def plot_waste_bars(results: Sequence[WasteResult], title: str = ""):
 def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
                              cost_ms: dict[int, float], device: str = "",
                              spread_ms: dict[int, tuple[float, float]] | None = None,
-                             ylabel: str = "ms per decode attention"):
-    """Left: waste vs block size (small blocks waste less). Right: measured time of one
+                             ylabel: str = "ms per decode attention", chip: str | None = None):
+    """Left: waste vs block size (small blocks waste less). Middle: measured time of one
     paged decode per block size (median; ``spread_ms`` maps a size to its (min, max), drawn
     as error bars; ``ylabel`` says what was timed). The chosen ``block_size`` is
-    highlighted. The widget's callback."""
+    highlighted. With ``chip`` ("A100", "H100", "H200"), a right panel shows what the
+    compiler made of the ``paged_triton`` kernel at this KV block size for that chip
+    (bfloat16, head_dim 64, 3 query heads per KV head as SmolLM2; compiled on a CPU, not
+    run: :func:`llmlab.viz.flash.draw_build`). The widget's callback."""
     sizes = [r.block_size for r in sweep]
     if block_size not in sizes:
         raise ValueError(f"block_size={block_size!r}; allowed: {sizes}")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3.0), dpi=80)
+    if chip is None:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3.0), dpi=80)
+    else:
+        from .flash import compiled_build, draw_build
+        fig, (a, b, c) = plt.subplots(1, 3, figsize=(11, 3.2), dpi=80,
+                                      gridspec_kw={"width_ratios": [1, 1, 1.15]})
+        draw_build(c, compiled_build("paged", chip, "bf16", block_size=block_size, head_dim=64),
+                   chip)
     waste = [r.waste * 100 for r in sweep]
     a.plot(sizes, waste, "o-", color="#e4572e")
     i = sizes.index(block_size)

@@ -224,9 +224,10 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch |
 # | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed |
 # | 08 | quantization | float32 weights → int8 / int4 / Q4_1 / fp8 weights; quality (KLD) and decode speed |
+# | 09 | speculative decoding | one token per forward → k drafted tokens verified in one forward |
+# | 10 | serving over HTTP | one Python process → an OpenAI-compatible server under Poisson load |
 #
-# Planned, not written yet: 09 speculative decoding (the library has `generate(...,
-# speculative=...)` already), 10 serving over HTTP, 11 kernel fusion and launch overhead.
+# Planned, not written yet: 11 kernel fusion and launch overhead.
 #
 # ## Takeaways
 #

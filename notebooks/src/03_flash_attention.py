@@ -456,34 +456,111 @@ answer = ...  # YOUR ANSWER
 exercises.check("nb03.skipped_tiles", answer)
 
 # %% [markdown]
+# ## What the compiler makes of a tile (compiled for H100, not run)
+#
+# The models above treat Br and Bc as free choices. On a GPU they are not: the tile must fit the
+# hardware of one SM, and only the compiler knows what it needs. Triton's compiler and NVIDIA's
+# `ptxas`, which ship with Triton, can build the kernel for an H100 (`sm_90`) on this CPU machine
+# without a GPU; `python -m llmlab.kernels.report` does that and reads the result back from the
+# binary (`data/kernel_builds.json` holds every tile the explorer below offers). Nothing here
+# ran on a GPU. What the build reports:
+#
+# - **registers per thread.** The score tile S and the accumulator live in registers, spread over
+#   the tile's threads (32 per warp). A thread may hold at most **255** 32-bit registers, and an SM
+#   has 64 K of them for all its resident threads (CUDA C++ Programming Guide, *Technical
+#   Specifications per Compute Capability*).
+# - **spills.** What does not fit in 255 registers goes to *local memory*: per-thread memory that
+#   lives in device memory, so every spill is a load or store with DRAM latency behind the caches
+#   (Programming Guide, *Device Memory Accesses*, "Local Memory").
+# - **shared memory per block.** Triton stages the K and V tiles in shared memory, one copy per
+#   pipeline stage (3 by default), so that the next tiles load while this one is multiplied; an
+#   H100 block may use at most 227 KB of its SM's 228 KB.
+# - **occupancy.** Resident warps on an SM over the 64 it can hold. Registers and shared memory
+#   are divided among the resident blocks, so a block that takes a lot leaves room for few
+#   others, and fewer warps are left to hide memory latency (CUDA C++ Best Practices Guide,
+#   *Occupancy*).
+# - **HGMMA.** The tensor-core instruction of Hopper's `wgmma` (a warpgroup of 4 warps multiplies
+#   tiles read from shared memory); HMMA is the warp-level `mma.sync` of the A100. Their count in
+#   the machine code shows that `tl.dot` runs on tensor cores.
+#
+# **Why 128×128 at d = 128 is a bad tile for 4 warps.** The accumulator is Br × d float32:
+# 128 × 128 values over 128 threads is 128 registers per thread. The score tile S is Br × Bc
+# float32: another 128 per thread. That is already 256, over the cap of 255, before P, the
+# softmax statistics and the addresses: the compiler must spill. Shared memory is no better:
+# K and V tiles of 128 × 128 bf16 are 32 KiB each, times 3 stages, plus Q, close to the whole
+# 227 KB, so one block fits on an SM and 4 warps of 64 are resident. The same tile on 8 warps
+# halves the registers per thread. This is the trade-off FlashAttention-2 describes (Dao, 2023,
+# §3.3): larger blocks mean fewer loads and stores, but past a size register spills slow the
+# kernel down or the shared memory needed exceeds what the GPU has, so it uses blocks of
+# {64, 128} × {64, 128}, chosen by head dimension and shared memory. FlashAttention-3 (Shah et
+# al., 2024), written for the H100's `wgmma` and TMA, even moves registers from the warps that
+# only load data to the warps that multiply (`setmaxnreg`): registers are the scarce resource.
+
+# %%
+from llmlab.kernels import report as R
+
+meta = R.table_meta()
+print(f"builds compiled on this CPU machine with Triton {meta['triton']} on {meta['date']}; "
+      f"none ran on a GPU")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("compiled for H100 (sm_90), not run: the FlashAttention kernel, bf16, head_dim 128, causal")
+print(f"{'Br×Bc':>8s} {'warps':>5s} {'regs/thread':>11s} {'spill B/thread':>14s} {'smem KiB':>8s} "
+      f"{'blocks/SM':>9s} {'occupancy':>9s} {'HGMMA':>5s}  limited by")
+for bm, bn, w in [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 4), (128, 128, 8)]:
+    b = R.lookup("flash", "H100", "bf16", block_m=bm, block_n=bn, head_dim=128, num_warps=w)
+    print(f"{f'{bm}×{bn}':>8s} {w:5d} {b.registers:11d} {b.spill_bytes:14d} "
+          f"{b.shared_bytes / 1024:8.0f} {b.blocks_per_sm:9d} {b.occupancy:9.0%} "
+          f"{b.tensor_core_ops['HGMMA']:5d}  {b.occupancy_limiter}")
+if has_triton():
+    from llmlab.kernels.flash_attn import tile_configs
+    print("the autotuner's tiles for this case (Br, Bc, warps, stages):",
+          tile_configs("sm_90", 128, "bf16"))
+
+# %% [markdown]
+# Read the rows against the argument above: the 128-row tiles on 4 warps hit the 255-register
+# cap and spill, and their shared memory leaves room for one block per SM. On 8 warps each
+# thread holds half of the accumulator and of S: the 128×64 tile then builds without spills,
+# while 128×128 spills far less but still sits at the cap. The 64×64 tile fits in registers,
+# and its 3 stages of K and V take about half of the shared memory. The autotuner of `flash_triton` only tries tiles that
+# build without spills (`tests/test_kernel_compile.py` checks it on every run).
+#
 # ## Play: the block-size explorer
 #
-# Choose Br, Bc, head_dim, N and a chip. The left panel stacks the tile's on-chip bytes (Q, K+V,
-# the fp32 score tile and accumulator, the statistics) against the chip's shared memory per SM
-# (a conservative count: on a GPU the score tile and accumulator sit in registers); the middle
-# panel shows the modelled HBM traffic; the right one times the Triton kernel with those
-# blocks: compiled on a GPU, in the Triton interpreter on a CPU (at N ≤ 128; the interpreter
-# runs every program as NumPy, so this measures Python, not a GPU).
+# Choose Br, Bc, head_dim, warps, N and a chip. Top left: the tile's on-chip bytes (Q, K+V, the
+# fp32 score tile and accumulator, the statistics) against the chip's shared memory per SM (a
+# conservative count: on a GPU the score tile and accumulator sit in registers). Top right: the
+# modelled HBM traffic. Bottom left: what the compiler made of exactly this tile for the chosen
+# chip, bf16 (from the table above: compiled on this CPU machine, not run): registers of 255,
+# shared memory of the per-block limit, occupancy, and below them spills and tensor-core
+# instructions. Bottom right: the Triton kernel timed with these blocks: compiled on a GPU, in
+# the Triton interpreter on a CPU (at N ≤ 128; the interpreter runs every program as NumPy, so
+# this measures Python, not a GPU).
 
 # %%
 import ipywidgets as widgets
 from llmlab.viz.flash import flash_explorer
 
-pow2 = [16, 32, 64, 128, 256]
+tiles = R.WIDGET_TILES["flash"]         # every choice below has a build in the table
 widgets.interactive(
-    lambda block_q=64, block_k=64, head_dim=64, n=4096, chip="H100":
-        flash_explorer(block_q, block_k, head_dim, n, chip).figure,
-    block_q=widgets.SelectionSlider(options=pow2, value=64, description="Br"),
-    block_k=widgets.SelectionSlider(options=pow2, value=64, description="Bc"),
-    head_dim=widgets.SelectionSlider(options=[32, 64, 128, 256], value=64, description="head_dim"),
+    lambda block_q=64, block_k=64, head_dim=64, num_warps=4, n=4096, chip="H100":
+        flash_explorer(block_q, block_k, head_dim, n, chip, num_warps=num_warps).figure,
+    block_q=widgets.SelectionSlider(options=tiles["block_m"], value=64, description="Br"),
+    block_k=widgets.SelectionSlider(options=tiles["block_n"], value=64, description="Bc"),
+    head_dim=widgets.SelectionSlider(options=tiles["head_dim"], value=64, description="head_dim"),
+    num_warps=widgets.SelectionSlider(options=tiles["num_warps"], value=4, description="warps"),
     n=widgets.SelectionSlider(options=[512, 1024, 2048, 4096, 8192, 16384, 32768], value=4096,
                               description="N"),
     chip=list(CHIPS))
 
 # %%
-r = flash_explorer(block_q=128, block_k=64, head_dim=128, n=8192, chip="H100")
+r = flash_explorer(block_q=128, block_k=128, head_dim=128, n=8192, chip="H100", num_warps=4)
+b = r.build
 print(f"tile {r.footprint_bytes / 1024:.0f} KiB of {r.smem_bytes // 1024} KiB: fits={r.fits}; "
       f"modelled traffic tiled/standard = {r.tiled_bytes / r.standard_bytes:.2f}")
+print(f"compiled for H100 (sm_90), not run: {b.registers} registers/thread, {b.spill_bytes} B spilled, "
+      f"{b.shared_bytes / 1024:.0f} KiB shared, occupancy {b.occupancy:.0%} ({b.occupancy_limiter})")
 if r.measured_s is not None:
     print(f"measured {r.measured_s * 1e3:.1f} ms, median of 5 (min {r.measured_spread[0] * 1e3:.1f}, "
           f"max {r.measured_spread[1] * 1e3:.1f}): {r.measured_what}, N={r.measured_n}")
@@ -579,6 +656,8 @@ else:
 #
 # - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (Algorithm 1, Theorem 2, Fig. 1)
 # - Dao. *FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning.* 2023 (ICLR 2024). [arXiv:2307.08691](https://arxiv.org/abs/2307.08691)
+# - Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao. *FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision.* 2024 (NeurIPS 2024). [arXiv:2407.08608](https://arxiv.org/abs/2407.08608) (wgmma, TMA, warp specialization, register reallocation on the H100)
+# - NVIDIA. *CUDA C++ Programming Guide*: [technical specifications per compute capability](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#features-and-technical-specifications) (255 registers per thread, 64 K per SM, shared memory per SM and per block) and [local memory](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-memory-accesses) (where spills go); *CUDA C++ Best Practices Guide*, [occupancy](https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/index.html#occupancy); [*Hopper Tuning Guide*](https://docs.nvidia.com/cuda/hopper-tuning-guide/index.html); PTX ISA, [warpgroup-level matrix instructions (wgmma)](https://docs.nvidia.com/cuda/parallel-thread-execution/index.html#asynchronous-warpgroup-level-matrix-instructions)
 # - Milakov, Gimelshein. *Online normalizer calculation for softmax.* 2018. [arXiv:1805.02867](https://arxiv.org/abs/1805.02867)
 # - Rabe, Staats. *Self-attention Does Not Need O(n²) Memory.* 2021. [arXiv:2112.05682](https://arxiv.org/abs/2112.05682)
 # - Tillet, Kung, Cox. *Triton: An Intermediate Language and Compiler for Tiled Neural Network Computations.* MAPL 2019. [doi:10.1145/3315508.3329973](https://doi.org/10.1145/3315508.3329973); [Triton tutorials](https://triton-lang.org/main/getting-started/tutorials/index.html)

@@ -504,7 +504,9 @@ for i in range(len(ids)):
 # %%
 from llmlab.bench.paged import paged_decode_inputs
 
-sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+from llmlab.kernels import report as R
+
+sizes = R.WIDGET_TILES["paged"]["block_size"]    # 1, 2, 4, ..., 256: each has a kernel build
 sweep = waste.block_size_sweep(reqs, BUDGET, block_sizes=sizes)
 shape = dict(batch=4, context=256) if QUICK else dict(batch=8, context=1024)
 threads = torch.get_num_threads()
@@ -534,10 +536,50 @@ print(f"slowest / fastest median over block sizes 4..256: "
 # al. report that trade-off between GPU parallelism and fragmentation and settle on 16 tokens per
 # block by default; `python -m llmlab.bench paged --gpu` times the kernel on a GPU.
 
+# %% [markdown]
+# ### What the compiler makes of `paged_triton` at each block size (compiled for H100, not run)
+#
+# Triton and NVIDIA's `ptxas` (shipped with Triton) can build the kernel for an H100 (`sm_90`) on
+# this CPU machine; `python -m llmlab.kernels.report` reads back what each build uses, and
+# `data/kernel_builds.json` keeps the result for every block size of the widget. Nothing ran on a
+# GPU. Notebook 03 explains the columns: registers per thread (at most 255; beyond that, spills to
+# local memory, which lives in DRAM), shared memory per block, theoretical occupancy (resident
+# warps over the SM's 64), and tensor-core instructions (HGMMA, Hopper's `wgmma`; HMMA, the
+# warp-level `mma.sync`). Sources: NVIDIA CUDA C++ Programming Guide (technical specifications
+# per compute capability; local memory) and CUDA C++ Best Practices Guide (occupancy).
+#
+# llmlab's kernel takes its tile from the wrapper, not from the pool: 16 packed query rows ×
+# 64 keys per step in bfloat16 (`default_tile`), whatever the block size. The block size only
+# enters the address of each key, `block_table[j // block_size] * block_size + j % block_size`.
+
 # %%
-widgets.interactive(lambda block_size: pviz.plot_block_size_tradeoff(block_size, sweep, cost_ms,
-                                                                     DEVICE, spread_ms, YLABEL),
-                    block_size=widgets.SelectionSlider(options=list(sizes), value=16))
+# NBVAL_CHECK_OUTPUT
+print("compiled for H100 (sm_90), not run: paged_triton, bf16, head_dim 64, 3 query heads per KV head")
+print(f"{'block':>5s} {'tile':>19s} {'regs/thread':>11s} {'spill B':>7s} {'smem KiB':>8s} "
+      f"{'occupancy':>9s} {'HMMA':>4s} {'HGMMA':>5s}")
+paged_builds = {s: R.lookup("paged", "H100", "bf16", block_size=s, head_dim=64) for s in sizes}
+for s, b in paged_builds.items():
+    print(f"{s:5d} {b.config:>19s} {b.registers:11d} {b.spill_bytes:7d} {b.shared_bytes / 1024:8.0f} "
+          f"{b.occupancy:9.0%} {b.tensor_core_ops['HMMA']:4d} {b.tensor_core_ops['HGMMA']:5d}")
+regs = [b.registers for b in paged_builds.values()]
+print(f"registers/thread over block sizes {sizes[0]}..{sizes[-1]}: {min(regs)} to {max(regs)}; "
+      f"spilling builds: {sum(b.spills for b in paged_builds.values())}")
+
+# %% [markdown]
+# The builds hardly differ (the printed range): the block size changes a division and a
+# remainder, not the tile, so the work per step and the registers and shared memory it needs
+# stay the same. What a GPU would feel is elsewhere: with blocks smaller than the 64-key step,
+# its keys come from 64 / block_size different blocks, each a separate lookup in the table and
+# a separate place in memory. The 16-row tile's dots are too small for a warpgroup's `wgmma`
+# (it needs 64 rows), so even the H100 build uses the warp-level HMMA. The widget shows the
+# build beside the simulation and the CPU time for each block size; `chip` picks the GPU it is
+# compiled for.
+
+# %%
+widgets.interactive(lambda block_size, chip: pviz.plot_block_size_tradeoff(
+                        block_size, sweep, cost_ms, DEVICE, spread_ms, YLABEL, chip=chip),
+                    block_size=widgets.SelectionSlider(options=list(sizes), value=16),
+                    chip=["H100", "A100"])
 
 # %% [markdown]
 # ## Stretch (build): the paged kernel's block loop
@@ -579,4 +621,5 @@ exercises.check("nb04.paged_block_loop", paged_decode)
 # - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (the online softmax of the stretch exercise)
 # - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
 # - NVIDIA H100 product page (bandwidth, memory, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
+# - NVIDIA. *CUDA C++ Programming Guide*: [technical specifications per compute capability](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#features-and-technical-specifications) and [local memory](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-memory-accesses); *CUDA C++ Best Practices Guide*, [occupancy](https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/index.html#occupancy)
 # - vLLM documentation: [docs.vllm.ai](https://docs.vllm.ai/)

@@ -397,6 +397,61 @@ widgets.interactive(_show, num_experts=widgets.IntSlider(8, 2, 64),
                     skew=widgets.FloatSlider(1.0, min=0.0, max=3.0, step=0.25))
 
 # %% [markdown]
+# ## Play: the grouped GEMM's tile (compiled for H100, not run)
+#
+# The Triton grouped GEMM (`llmlab.kernels.moe_gemm`) gives each program a tile of BLOCK_M
+# sorted rows of one expert × BLOCK_N output features, and walks the input features BLOCK_K
+# at a time. Two things set a good tile:
+#
+# - **Padding.** A tile belongs to one expert, so each expert's rows are rounded up to a whole
+#   number of BLOCK_M tiles; the rows past its group are computed and thrown away. With few
+#   tokens per expert (decode) a large BLOCK_M mostly computes padding. MegaBlocks (Gale et al.,
+#   2023) builds its block-sparse MoE kernels on the same rounding of each expert's tokens to
+#   the block size.
+# - **Registers.** The float32 accumulator is BLOCK_M × BLOCK_N values spread over the 128
+#   threads of 4 warps (how the kernel is launched): 128 × 256 is 256 registers per thread, over
+#   the 255 a thread may hold (CUDA C++ Programming Guide, technical specifications per compute
+#   capability), so the compiler must put values in local memory, which lives in DRAM.
+#
+# Triton and NVIDIA's `ptxas` build the kernel for an H100 (`sm_90`) or an A100 (`sm_80`) on this
+# CPU machine, and `data/kernel_builds.json` keeps what each widget tile uses (notebook 03
+# explains the columns: registers, spills, shared memory, occupancy, tensor-core instructions).
+# Nothing here ran on a GPU. The explorer shows that build, the rows the tiles compute for a
+# small routed batch (32 tokens, top-2 of 8 experts), and the kernel timed with that tile (in
+# the Triton interpreter on a CPU: Python's speed, not a GPU's).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from llmlab.kernels import report as R
+
+print("compiled for H100 (sm_90), not run: grouped GEMM, bf16, 4 warps, 3 stages")
+print(f"{'BLOCK_M×N×K':>12s} {'regs/thread':>11s} {'spill B/thread':>14s} {'smem KiB':>8s} "
+      f"{'occupancy':>9s} {'HMMA':>4s} {'HGMMA':>5s}")
+for bm, bn, bk in [(32, 64, 32), (64, 128, 32), (128, 128, 64), (128, 256, 32), (128, 256, 64)]:
+    b = R.lookup("moe", "H100", "bf16", block_m=bm, block_n=bn, block_k=bk)
+    print(f"{f'{bm}×{bn}×{bk}':>12s} {b.registers:11d} {b.spill_bytes:14d} {b.shared_bytes / 1024:8.0f} "
+          f"{b.occupancy:9.0%} {b.tensor_core_ops['HMMA']:4d} {b.tensor_core_ops['HGMMA']:5d}")
+
+# %%
+from llmlab.viz.moe import gemm_tile_explorer
+
+gemm_tiles = R.WIDGET_TILES["moe"]          # every choice below has a build in the table
+r = gemm_tile_explorer(64, 128, 32, chip="H100")
+print(f"BLOCK_M=64: {r.padded_rows} tile rows for {r.rows} routed rows ({r.padded_rows / r.rows:.1f}×)")
+
+
+def _show_tile(block_m=64, block_n=128, block_k=32, chip="H100"):
+    gemm_tile_explorer(block_m, block_n, block_k, chip=chip)
+    plt.show()
+
+
+widgets.interactive(_show_tile,
+                    block_m=widgets.SelectionSlider(options=gemm_tiles["block_m"], value=64),
+                    block_n=widgets.SelectionSlider(options=gemm_tiles["block_n"], value=128),
+                    block_k=widgets.SelectionSlider(options=gemm_tiles["block_k"], value=32),
+                    chip=["H100", "A100"])
+
+# %% [markdown]
 # ## More exercises
 #
 # **Active parameters (compute).** Write `active_params(config)`: the parameters one token
@@ -445,3 +500,4 @@ exercises.check("nb06.capacity_drop", keep_within_capacity)
 # - Gale, Narayanan, Young, Zaharia. *MegaBlocks: Efficient Sparse Training with Mixture-of-Experts.* MLSys 2023. [arXiv:2211.15841](https://arxiv.org/abs/2211.15841) (dropless MoE, grouped and block-sparse GEMMs)
 # - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
 # - NVIDIA H100 product page (bandwidth, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
+# - NVIDIA. *CUDA C++ Programming Guide*: [technical specifications per compute capability](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#features-and-technical-specifications) (registers, shared memory) and [local memory](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-memory-accesses) (where spills go)

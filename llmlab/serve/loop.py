@@ -1,0 +1,238 @@
+"""The one engine loop behind every HTTP request (continuous batching across clients).
+
+A server has one :class:`~llmlab.engine.LLMEngine` and one thread that owns it: only that
+thread calls ``add_request``, ``step`` and ``abort_request``, so the engine needs no
+lock. HTTP handlers run on the asyncio event loop; they hand a request to the thread
+through a command queue, and the thread puts what happens to it (accepted or rejected,
+each new token, the final output, an error) on the request's own ``asyncio.Queue``
+with ``loop.call_soon_threadsafe``. Commands are taken between two steps, so a request
+that arrives while a batch is decoding joins it at the next step: with the
+``"continuous"`` scheduler that is iteration-level batching (Orca, Yu et al., OSDI 2022,
+https://www.usenix.org/conference/osdi22/presentation/yu) across HTTP clients.
+
+Faults: a client that goes away sends an ``abort`` command (its blocks are freed by the
+engine thread); a step that raises fails every request in the engine with an error
+event, and the loop goes on with the next requests; a full waiting queue refuses new
+requests at once (:class:`QueueFull`), which keeps it bounded; :meth:`EngineLoop.stop`
+ends the thread and fails whatever is still queued. Every submitted request gets
+exactly one final event (``done``, ``rejected`` or ``error``). Taught in notebook 10.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from ..engine import LLM, SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; the server answers 503."""
+
+
+@dataclass
+class Event:
+    """What the engine thread tells a request's handler.
+
+    ``kind``: ``"accepted"``; ``"token"`` (``index`` of the completion, ``token_id``,
+    ``text`` newly shown, ``finish_reason`` once it ends, ``logprobs`` of the token);
+    ``"done"`` (``output``, the
+    final :class:`~llmlab.engine.RequestOutput`); ``"rejected"`` (a 400: ``message``);
+    ``"error"`` (a 500 or a 503: ``message``)."""
+
+    kind: str
+    index: int = 0
+    token_id: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    output: object = None
+    message: str = ""
+    logprobs: dict | None = None           # this token's {token id: logprob}, if asked for
+
+
+@dataclass(eq=False)
+class Handle:
+    """One HTTP request as the loop sees it: its prompt, parameters and event queue."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    events: asyncio.Queue
+    aloop: asyncio.AbstractEventLoop
+    request_id: int | None = None          # the engine's, once accepted
+    request: object = None                 # the engine's Request, once accepted
+    shown: dict = field(default_factory=dict)
+    closed: bool = False                   # a final event was sent
+
+
+class EngineLoop:
+    """Runs ``llm.engine`` in a background thread; see the module docstring.
+
+    ``max_waiting``: requests that may wait for a seat (queued commands included)
+    before :meth:`submit` raises :class:`QueueFull`.
+    """
+
+    def __init__(self, llm: LLM, max_waiting: int = 256, metrics=None):
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 1")
+        self.llm, self.engine = llm, llm.engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._queued = 0                     # submitted, not yet taken by the thread
+        self._handles: dict[int, Handle] = {}
+        self.num_running = self.num_waiting_in_engine = self.kv_blocks_used = 0
+        self._thread = threading.Thread(target=self._run, name="llmlab-engine", daemon=True)
+
+    # -- called from the event loop ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued + self.num_waiting_in_engine
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None) -> Handle:
+        """Queue a request for the engine thread; its events arrive on ``handle.events``."""
+        with self._lock:
+            if self._stop.is_set():
+                raise QueueFull("the server is shutting down")
+            if self.num_waiting >= self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests "
+                                "wait for a seat); retry later")
+            self._queued += 1
+        aloop = asyncio.get_running_loop()
+        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(), aloop)
+        self._commands.put(("add", h))
+        self._wake.set()
+        return h
+
+    def abort(self, h: Handle) -> None:
+        """The client went away: the engine thread aborts the request (frees its blocks)."""
+        self._commands.put(("abort", h))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread after its current step; queued requests get an error event."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()           # before taking commands: no wake-up is lost
+                self._take_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(1.0)
+                    continue
+                try:
+                    produced = self.engine.step()
+                except Exception as e:       # the engine has recovered; fail its requests
+                    traceback.print_exc()
+                    self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+                    continue
+                self._deliver(produced)
+                self._update_gauges()
+                if self.engine.idle:         # nothing could run: do not spin
+                    self._wake.wait(0.01)
+        finally:
+            self._take_commands(refuse=True)
+            self._fail_all("the server is shutting down", kind="error")
+
+    def _post(self, h: Handle, event: Event) -> None:
+        if h.closed:
+            return
+        h.closed = event.kind in ("done", "rejected", "error")
+        try:
+            h.aloop.call_soon_threadsafe(h.events.put_nowait, event)
+        except RuntimeError:                 # the event loop is closed: nobody listens
+            pass
+
+    def _take_commands(self, refuse: bool = False) -> None:
+        while True:
+            try:
+                cmd, h = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "add":
+                with self._lock:
+                    self._queued -= 1
+                if refuse:
+                    self._post(h, Event("error", message="the server is shutting down"))
+                else:
+                    self._add(h)
+            elif h.request_id is not None and not h.closed:
+                self.engine.abort_request(h.request_id)
+                self._finish(h)
+        self._update_gauges()
+
+    def _add(self, h: Handle) -> None:
+        try:
+            req = self.engine.add_request(h.prompt_token_ids, h.params, h.prompt)
+        except ValueError as e:
+            self._post(h, Event("rejected", message=str(e)))
+            return
+        if req.error is not None:
+            self._post(h, Event("rejected", message=req.error))
+            return
+        h.request_id, h.request = req.request_id, req
+        self._handles[req.request_id] = h
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(h.prompt_token_ids))
+        self._post(h, Event("accepted"))
+
+    def _deliver(self, produced) -> None:
+        done = []
+        for seq, tok in produced:
+            h = self._handles.get(seq.request.request_id)
+            if h is None:
+                continue
+            # LLM.stream's rule: hold back half characters and possible stop strings
+            text = self.llm._new_text(seq, h.shown)
+            lps = getattr(seq, "logprobs", None)
+            self._post(h, Event("token", seq.index, tok, text,
+                                seq.status.value if seq.finished else None,
+                                logprobs=lps[-1] if lps else None))
+            if seq.request.finished:
+                done.append(h)
+        for h in dict.fromkeys(done):
+            self._finish(h)
+
+    def _finish(self, h: Handle) -> None:
+        """The request is finished (or aborted): its final output, once, and metrics."""
+        self._handles.pop(h.request_id, None)
+        out = self.engine.output(h.request)
+        if self.metrics is not None:
+            for c in out.outputs:
+                if c.metrics is not None:
+                    self.metrics.observe(c.metrics, c.finish_reason)
+        self._post(h, Event("done", output=out))
+
+    def _fail_all(self, message: str, kind: str = "error") -> None:
+        for rid, h in list(self._handles.items()):
+            self.engine.abort_request(rid)
+            self._handles.pop(rid, None)
+            self._post(h, Event(kind, message=message))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        sch = self.engine.scheduler
+        self.num_running = len({s.request.request_id for s in list(sch.running)})
+        self.num_waiting_in_engine = len({s.request.request_id for s in list(sch.waiting)})
+        self.kv_blocks_used = self.engine.cache.manager.num_used_blocks
+
+
+__all__ = ["EngineLoop", "Event", "Handle", "QueueFull"]

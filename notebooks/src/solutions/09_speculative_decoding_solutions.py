@@ -1,0 +1,61 @@
+# %% [markdown]
+# # 09 · Solutions
+#
+# One reference answer per exercise of notebook 09, each followed by its check.
+
+# %%
+import torch
+
+from llmlab import exercises
+
+# %% [markdown]
+# ## Build: the accept/reject step
+#
+# Walk the drafts in order. Draft d at position i is accepted when u < p_i(d)/q_i(d) for a
+# uniform u (written u·q < p, which needs no division). At the first rejection the token comes
+# from (p_i − q_i)⁺ normalized: where the target wants more than the draft offered. That
+# residual is never all zero after a rejection, because a rejection is only possible where
+# p_i(d) < q_i(d), and then p_i puts more than q_i on some other token. If all k drafts pass,
+# the bonus token comes from p_k.
+
+# %%
+def accept_reject(p, q, drafts, generator=None):
+    out = []
+    for i, d in enumerate(drafts):
+        if torch.rand((), generator=generator) * q[i, d] < p[i, d]:
+            out.append(d)
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    return out
+
+
+exercises.check("nb09.accept_reject", accept_reject)
+
+# %% [markdown]
+# ## Predict: which k is best?
+#
+# With the cost model, k grows while the k-th draft's expected tokens α^k outweigh what it
+# costs. Prompt lookup drafts for free, but on a CPU the verify forward of k + 1 tokens is not
+# free either, and on an edit answer the match breaks at every corrected word, so the last
+# drafts of a long run are often rejected. The notebook compares your answer with its
+# measurement; here, without one, the check uses the cost model at α = 0.8 and c = 0.15.
+
+# %%
+exercises.check("nb09.predict_best_k", 4)
+
+# %% [markdown]
+# ## Explain: batching
+
+# %%
+# NBVAL_CHECK_OUTPUT
+exercises.check("nb09.explain_batching", "b")
+
+# %% [markdown]
+# ## Stretch: an int4 draft of a Q4_1 model
+
+# %%
+# NBVAL_CHECK_OUTPUT
+exercises.check("nb09.explain_int4_draft", "a")
