@@ -70,6 +70,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random Llama with sdpa attention, fresh for each test module."""
+    return llmlab.load_model("tiny-llama", attention="sdpa")
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    return llmlab.load_tokenizer("tiny-llama")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return llmlab.load_model("smollm2-135m", device="cpu")

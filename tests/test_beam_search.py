@@ -13,11 +13,6 @@ BS = 4          # block size
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny):
     return LLM(tiny, llmlab.load_tokenizer("tiny-llama"), max_num_seqs=8, block_size=BS,
                num_blocks=160)

@@ -14,16 +14,6 @@ from .conftest import on_kernel_device
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return llmlab.load_tokenizer("tiny-llama")
-
-
 def prompts_of(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in lengths]

@@ -29,16 +29,6 @@ POLICIES = {                              # name -> LLM keyword arguments
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return llmlab.load_tokenizer("tiny-llama")
-
-
 def token_lists(lengths, seed=0, prefix=0):
     """Random prompts; the first ``prefix`` tokens are shared (prefix-cache hits)."""
     g = torch.Generator().manual_seed(seed)

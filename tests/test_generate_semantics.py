@@ -20,16 +20,6 @@ PATHS = [dict(kv_cache="none"), dict(kv_cache="contiguous"),
                                                     paged_attention="paged_sdpa")]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return llmlab.load_tokenizer("tiny-llama")
-
-
 @contextlib.contextmanager
 def context_of(model, ctx):
     """The model with its context cut to ``ctx`` tokens: the same rule as at 2,048 or 8,192

@@ -10,16 +10,6 @@ from llmlab.cache.contiguous import dequantize_kv, quantize_kv
 from llmlab.engine import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return llmlab.load_tokenizer("tiny-llama")
-
-
 def kv_like(shape, seed=0):
     """Key-like vectors: mostly small, a few large channels (as real keys have), and one
     token whose values are 1000 times smaller than the rest."""

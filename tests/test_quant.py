@@ -87,6 +87,31 @@ def test_q4_1_matches_gguf_reference_quantizer():
     assert torch.equal(quant.q4_1_dequantize(quant.q4_1_quantize(w)), torch.from_numpy(deq))
 
 
+def test_q8_0_round_trip_of_shipped_embedding_is_exact():
+    if not SMOLLM2.exists():
+        pytest.skip("smollm2-135m is not fetched")
+    with safe_open(str(SMOLLM2), "pt") as f:
+        w = f.get_slice("model.embed_tokens.weight")[:4096]      # a twelfth of the table: fast
+    q, d = formats.q8_0_quantize(w)
+    assert (formats.q8_0_dequantize(q, d) - w).abs().max().item() <= 1e-6
+    # one scale per row (the "int8" scheme's format) is not exact on the same table
+    assert (quant.int8_dequantize(*quant.int8_quantize(w)) - w).abs().max().item() > 1e-4
+
+
+def test_q8_0_matches_gguf_reference_quantizer():
+    gquants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+    torch.manual_seed(2)
+    w = torch.randn(6, 64) * 0.1
+    blocks = gquants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    theirs = torch.from_numpy(gquants.dequantize(blocks, GGMLQuantizationType.Q8_0))
+    q, d = formats.q8_0_quantize(w)
+    assert torch.equal(formats.q8_0_dequantize(q, d), theirs)
+    raw = torch.frombuffer(bytearray(blocks.tobytes()[:34]), dtype=torch.uint8)   # d, then 32 codes
+    assert raw[:2].view(torch.float16).item() == d[0, 0].item()
+    assert torch.equal(raw[2:].view(torch.int8), q[0, :32])
+
+
 # -- formats -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 64), (2, 32)])
@@ -116,8 +141,8 @@ def test_bad_inputs_name_the_value(tiny):
         llmlab.quantize(tiny, "int3")
     with pytest.raises(ValueError, match="group_size=48.*allowed"):
         llmlab.quantize(tiny, "int4", group_size=48)
-    with pytest.raises(ValueError, match="lm_head='int4'"):
-        llmlab.quantize(tiny, "int8", lm_head="int4")
+    with pytest.raises(ValueError, match="lm_head='int3'"):
+        llmlab.quantize(tiny, "int8", lm_head="int3")
     with pytest.raises(ValueError, match="bits=9"):
         quant.group_quantize(torch.randn(4, 32), bits=9)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -126,13 +151,20 @@ def test_bad_inputs_name_the_value(tiny):
 
 # -- kernels against the reference -----------------------------------------------------------
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1"])
+def _layer(scheme: str, w: torch.Tensor) -> quant.QuantizedLinear:
+    if scheme == "int8":
+        return quant.Int8Linear(w)
+    if scheme == "q8_0":
+        return quant.Q8_0Linear(w)
+    return quant.GroupLinear(w, group_size=32, q4_1=scheme == "q4_1")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_packed_kernel_matches_dequantized_reference(scheme, rows):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.05
-    layer = quant.linear.Int8Linear(w) if scheme == "int8" else \
-        quant.GroupLinear(w, group_size=32, q4_1=scheme == "q4_1")
+    layer = _layer(scheme, w)
     x = torch.randn(2, rows, 128)
     ref = torch.nn.functional.linear(x, layer.dequantized_weight())
     with quant.use_kernels(True):
@@ -145,13 +177,62 @@ def test_packed_kernel_matches_dequantized_reference(scheme, rows):
         assert torch.equal(layer(x), ref)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "q8_0", "int8"])
+def test_rows_are_rows_of_the_dequantized_weight(scheme):
+    torch.manual_seed(3)
+    layer = _layer(scheme, torch.randn(40, 64))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(layer.rows(ids), layer.dequantized_weight()[ids])
+
+
+def test_q8_0_kernel_needs_the_signed_high_digit():
+    # q = 16·hi + lo holds for negative codes only with an arithmetic shift (hi in [-8, 7])
+    w = torch.full((32, 64), -0.5)
+    w[:, ::3] = 0.25
+    layer = quant.Q8_0Linear(w)
+    x = torch.ones(1, 64)
+    with quant.use_kernels(True):
+        y = layer(x)
+    assert torch.allclose(y, x @ w.T, rtol=1e-2), (y[0, :3], (x @ w.T)[0, :3])
+
+
+def test_shared_projection_serves_each_part_its_slice():
+    torch.manual_seed(4)
+    ws = [torch.randn(n, 64) for n in (32, 16, 16)]
+    shared = quant.SharedProjection(quant.Int8Linear(torch.cat(ws)), [32, 16, 16])
+    alone = [quant.Int8Linear(w) for w in ws]
+    x = torch.randn(2, 3, 64)
+    for i in (2, 0, 1):                                   # any order
+        assert torch.equal(shared.parts[i](x), alone[i](x))
+    assert shared._x is None and shared._ys is None       # nothing kept once all are served
+    x2 = torch.randn(2, 3, 64)
+    assert torch.equal(shared.parts[1](x2), alone[1](x2))  # a new input is a new product
+    assert not torch.equal(shared.parts[0](x), shared.parts[0](x2))
+    with pytest.raises(ValueError, match="add up"):
+        quant.SharedProjection(quant.Int8Linear(torch.cat(ws)), [32, 16])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_projections_change_no_logit(tiny, scheme):
+    fused, plain = llmlab.quantize(tiny, scheme), llmlab.quantize(tiny, scheme, fuse=False)
+    assert isinstance(fused.layers[0].self_attn.q_proj, quant.ProjectionSlice)
+    assert isinstance(plain.layers[0].self_attn.q_proj, quant.QuantizedLinear)
+    assert quant.weight_nbytes(fused) == quant.weight_nbytes(plain)
+    ids = torch.tensor([[1, 5, 9, 200, 3], [4, 4, 8, 2, 11]])
+    with torch.inference_mode():
+        assert torch.equal(fused(ids), plain(ids))
+    keys = fused.state_dict().keys()
+    assert not any(k.startswith("layers.0.self_attn.q_proj") for k in keys)   # stored once
+
+
 # -- the quantized model ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1", "fp8"])
 def test_quantize_returns_new_model_and_leaves_original(tiny, tok, scheme):
     before = {k: v.clone() for k, v in tiny.state_dict().items()}
     q = llmlab.quantize(tiny, scheme)
-    assert q is not tiny and isinstance(q.layers[0].mlp.up_proj, quant.QuantizedLinear)
+    assert q is not tiny and isinstance(q.layers[0].mlp.down_proj, quant.QuantizedLinear)
+    assert isinstance(q.layers[0].mlp.gate_up_proj.fused, quant.QuantizedLinear)
     assert isinstance(tiny.layers[0].mlp.up_proj, torch.nn.Linear)
     for k, v in tiny.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -178,8 +259,9 @@ def test_quantized_model_runs_in_the_engine(tiny, tok):
 
 
 def test_lm_head_choice(tiny):
-    q8 = llmlab.quantize(tiny, "int4")
+    q8 = llmlab.quantize(tiny, "int4", lm_head="int8")
     q32 = llmlab.quantize(tiny, "int4", lm_head="fp32")
+    assert isinstance(llmlab.quantize(tiny, "int4").lm_head, quant.Q8_0Linear)   # the default
     assert isinstance(q8.lm_head, quant.Int8Linear)
     assert q8.embed_tokens.table is q8.lm_head           # tied: stored once
     assert q32.lm_head.weight is tiny.lm_head.weight     # shared, not copied

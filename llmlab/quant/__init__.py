@@ -10,15 +10,25 @@ Schemes (every linear layer of every decoder block):
 * ``"q4_1"``: exactly GGUF's Q4_1 (blocks of 32, float16 d and m);
 * ``"fp8"``: float8 e4m3, one scale per output channel.
 
-``lm_head`` chooses the format of the tied embedding / lm_head: ``"int8"`` (the default,
-one scale per row), ``"bf16"`` or ``"fp32"``. Why int8 by default: the [49152, 576] table is a
-fifth of SmolLM2's float32 bytes and every decode step reads all of it, so a float32 head
-(113 MB) would outweigh all the 4-bit layers together (66-80 MB); the shipped file keeps
-this table at 8 bits (Q8_0), and 4 bits would lose more than the file did. The cost is
-measured, not assumed: over 256 tokens of the evaluation text the int8 head adds about
-2e-3 nats/token of KLD to int4 (2.7e-3 against 3e-4 with a float32 head, the rest being
-the kernels' bfloat16 activations). ``lm_head="fp32"`` is the choice for quality; bfloat16
-halves the bytes but is no faster than float32 on this CPU's matmul.
+``lm_head`` chooses the format of the tied embedding / lm_head: ``"q8_0"`` (the default),
+``"int8"`` (one scale per row), ``"int4"`` (groups of 32), ``"bf16"`` or ``"fp32"``. The
+[49152, 576] table is a fifth of SmolLM2's float32 bytes and every decode step reads all of
+it, so a float32 head (113 MB) would outweigh all the 4-bit layers together (66-80 MB). The
+shipped file stores it as GGUF Q8_0 (int8 codes, a float16 scale per 32), so ``"q8_0"``
+keeps it exactly, at 34 bytes per 32 weights. Measured over 1,023 tokens of the evaluation
+text (KLD against float32, nats/token): an int8-per-row head alone (float32 linears) gives
+2.6e-3; int4 linears give 2.6e-4 with a float32 head, 8.1e-4 with the Q8_0 head (its weights
+are exact; the rest is the kernel's bfloat16 activations) and 6.7e-2 with an int4 head, which
+is why 4 bits are not the default. On this CPU the Q8_0 kernel runs at the per-row int8
+kernel's speed, about twice as fast as the float32 head (one thread).
+
+The ``"int8"`` scheme keeps its definition (one scale per output channel) and with it a
+larger error: the per-row int8 linears alone give a KLD of 3.3e-3 (the q/k/v and down
+projections about a third each), because one step per row is coarser than the shipped
+4-bit blocks wherever a block's range is small next to its row's largest weight.
+
+``fuse=True`` (the default) stores q/k/v and gate/up of each layer as one matrix each
+(:class:`SharedProjection`): one kernel call per group, the same weights.
 
 Activations stay float32 between layers; the KV cache is untouched. Taught in notebook 08.
 """
@@ -33,14 +43,17 @@ from ..models.llama import CausalLM
 from . import formats
 from .formats import (Q4_1, fp8_dequantize, fp8_quantize, group_dequantize, group_quantize,
                       int8_dequantize, int8_quantize, q4_1_dequantize, q4_1_quantize)
-from .linear import (BF16Linear, FP8Linear, GroupLinear, Int8Linear, QuantizedEmbedding,
-                     QuantizedLinear, use_kernels)
+from .linear import (BF16Linear, FP8Linear, GroupLinear, Int8Linear, ProjectionSlice, Q8_0Linear,
+                     QuantizedEmbedding, QuantizedLinear, SharedProjection, use_kernels)
 
 SCHEMES = ("int8", "int4", "q4_1", "fp8")
-LM_HEAD_CHOICES = ("int8", "bf16", "fp32")
+LM_HEAD_CHOICES = ("q8_0", "int8", "int4", "bf16", "fp32")
+FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+         "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
 
 __all__ = ["quantize", "fake_quantize", "SCHEMES", "weight_nbytes", "QuantizedCausalLM", "QuantizedLinear",
-           "Int8Linear", "GroupLinear", "FP8Linear", "QuantizedEmbedding", "use_kernels", "Q4_1",
+           "Int8Linear", "GroupLinear", "FP8Linear", "Q8_0Linear", "QuantizedEmbedding",
+           "SharedProjection", "ProjectionSlice", "use_kernels", "Q4_1",
            "q4_1_quantize", "q4_1_dequantize", "int8_quantize", "int8_dequantize",
            "group_quantize", "group_dequantize", "fp8_quantize", "fp8_dequantize", "formats"]
 
@@ -70,17 +83,7 @@ def _make_linear(weight: torch.Tensor, scheme: str, group_size: int) -> Quantize
     return FP8Linear(weight)
 
 
-@torch.no_grad()
-def quantize(model: CausalLM, scheme: str, *, group_size: int = 32,
-             lm_head: str = "int8") -> QuantizedCausalLM:
-    """A new model with every decoder linear layer stored in ``scheme``; ``model`` is untouched.
-
-    The new model shares the float tensors it does not quantize (norms; the embedding when
-    ``lm_head="fp32"``) with ``model``: neither model writes to them.
-    group_size: inputs per group for ``"int4"`` (must divide every layer's input size).
-    lm_head: ``"int8"`` (default), ``"bf16"`` or ``"fp32"`` for the tied embedding / output
-    projection (see the module docstring for why int8).
-    """
+def _check_quantizable(model, scheme: str, group_size: int, lm_head: str) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; allowed: {list(SCHEMES)}")
     if lm_head not in LM_HEAD_CHOICES:
@@ -95,33 +98,73 @@ def quantize(model: CausalLM, scheme: str, *, group_size: int = 32,
     if getattr(model.config, "is_moe", False):
         raise ValueError("quantize supports dense models only (this one is a mixture of experts)")
     cfg = model.config
+    sizes = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}
     if scheme == "int4":
-        for n in {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}:
+        for n in sizes:
             formats.check_group_size(group_size, n)
-    elif scheme == "q4_1":
-        for n in {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}:
+    if scheme == "q4_1" or lm_head in ("q8_0", "int4"):
+        for n in (sizes if scheme == "q4_1" else {cfg.hidden_size}):
             if n % formats.Q4_1_BLOCK:
-                raise ValueError(f"q4_1 needs layer input sizes divisible by 32; got {n}")
+                raise ValueError(f"{scheme if scheme == 'q4_1' else 'lm_head=' + lm_head} needs "
+                                 f"layer input sizes divisible by 32; got {n}")
 
+
+def _quantize_block(parent: nn.Module, role: str, scheme: str, group_size: int, fuse: bool) -> None:
+    """Replace the linear layers of one attention or MLP module (``role``), in place."""
+    for name, child in parent.named_children():
+        if isinstance(child, nn.Linear) and child.bias is not None:
+            raise ValueError(f"{name} has a bias; quantize supports bias-free layers")
+    fused_name, names = FUSED.get(role, (None, ()))
+    if fuse and all(isinstance(getattr(parent, n, None), nn.Linear) for n in names):
+        weights = [getattr(parent, n).weight.detach() for n in names]
+        shared = SharedProjection(_make_linear(torch.cat(weights), scheme, group_size),
+                                  [w.shape[0] for w in weights])
+        setattr(parent, fused_name, shared)
+        for n, part in zip(names, shared.parts):
+            setattr(parent, n, part)
+    for name, child in list(parent.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(parent, name, _make_linear(child.weight.detach(), scheme, group_size))
+
+
+def _make_head(weight: torch.Tensor, lm_head: str) -> QuantizedLinear:
+    if lm_head == "q8_0":
+        return Q8_0Linear(weight)
+    if lm_head == "int8":
+        return Int8Linear(weight)
+    if lm_head == "int4":
+        return GroupLinear(weight, group_size=32)
+    return BF16Linear(weight)
+
+
+@torch.no_grad()
+def quantize(model: CausalLM, scheme: str, *, group_size: int = 32, lm_head: str = "q8_0",
+             fuse: bool = True) -> QuantizedCausalLM:
+    """A new model with every decoder linear layer stored in ``scheme``; ``model`` is untouched.
+
+    The new model shares the float tensors it does not quantize (norms; the embedding when
+    ``lm_head="fp32"``) with ``model``: neither model writes to them.
+    group_size: inputs per group for ``"int4"`` (must divide every layer's input size).
+    lm_head: ``"q8_0"`` (default), ``"int8"``, ``"int4"``, ``"bf16"`` or ``"fp32"`` for the
+    tied embedding / output projection (see the module docstring for the trade-off).
+    fuse: store q/k/v and gate/up of each layer as one matrix each (:class:`SharedProjection`),
+    one matmul per group instead of three or two; the weights are the same.
+    """
+    _check_quantizable(model, scheme, group_size, lm_head)
     # Copy the module tree but not the tensors: every parameter and buffer maps to itself.
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     new = copy.deepcopy(model, memo)
     new.__class__ = QuantizedCausalLM
     new.quant_scheme = scheme
-    new.quant_options = {"group_size": group_size if scheme == "int4" else None, "lm_head": lm_head}
-
+    new.quant_options = {"group_size": group_size if scheme == "int4" else None,
+                         "lm_head": lm_head, "fuse": fuse}
     for layer in new.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    if child.bias is not None:
-                        raise ValueError(f"{name} has a bias; quantize supports bias-free layers")
-                    setattr(parent, name, _make_linear(child.weight.detach(), scheme, group_size))
+        for role in ("self_attn", "mlp"):
+            _quantize_block(getattr(layer, role), role, scheme, group_size, fuse)
     if lm_head != "fp32":
-        w = new.lm_head.weight.detach()
-        head = Int8Linear(w) if lm_head == "int8" else BF16Linear(w)
+        head = _make_head(new.lm_head.weight.detach(), lm_head)
         new.lm_head = head
-        if cfg.tie_word_embeddings:
+        if new.config.tie_word_embeddings:
             new.embed_tokens = QuantizedEmbedding(head)
     return new.eval()
 

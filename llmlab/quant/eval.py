@@ -155,11 +155,12 @@ def evaluate(reference, models: dict, tokenizer, max_tokens: int | None = None,
     return rows
 
 
-def group_format_bytes(config, bits: int, group_size: int | None, head_bytes: float = 1.0) -> float:
+def group_format_bytes(config, bits: int, group_size: int | None, head_bytes: float = 34 / 32
+                      ) -> float:
     """Modelled weight bytes of a model whose decoder linears use ``bits``-bit codes with a
     float16 step and minimum per ``group_size`` inputs (None: one pair per output row),
-    the tied embedding/lm_head at ``head_bytes`` per weight (below 4: plus a float32 scale
-    per row) and float32 norms."""
+    the tied embedding/lm_head at ``head_bytes`` per weight (default: Q8_0, an int8 code
+    plus a float16 scale per 32) and float32 norms."""
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
@@ -168,8 +169,7 @@ def group_format_bytes(config, bits: int, group_size: int | None, head_bytes: fl
         groups = out_f * (1 if group_size is None else in_f // group_size)
         per_layer += out_f * in_f * bits / 8 + groups * 4
     norms = (2 * config.num_layers + 1) * h * 4
-    head = config.vocab_size * h * head_bytes + (config.vocab_size * 4 if head_bytes < 4 else 0)
-    return config.num_layers * per_layer + head + norms   # int8 head: + one scale per row
+    return config.num_layers * per_layer + config.vocab_size * h * head_bytes + norms
 
 
 @torch.inference_mode()
@@ -178,7 +178,7 @@ def sweep_bits_group(reference, token_ids: list[int], bits_list=(2, 3, 4, 8),
     """KLD and top-1 agreement against ``reference`` for every (bits, group size), with
     the group-wise asymmetric format simulated on the decoder linears (None: one group
     per row), over one window of ``token_ids``.
-    -> {(bits, group): {"kld", "top1", "bytes"}} (bytes modelled, lm_head int8)."""
+    -> {(bits, group): {"kld", "top1", "bytes"}} (bytes modelled, lm_head Q8_0)."""
     from . import fake_quantize
     from .formats import group_dequantize, group_quantize
 

@@ -8,6 +8,7 @@ sums over, so that one scale multiplies a whole group of products at once.
 * group-wise asymmetric (int4 by default):           w ≈ q · d[g] + m[g],   q ∈ [0, 2^bits - 1]
 * GGUF Q4_1 (llama.cpp's layout, exactly):          blocks of 32, float16 d and m, q ∈ [0, 15]
 * float8 e4m3, one scale per output row:            w ≈ fp8(w / s[row]) · s[row]
+* GGUF Q8_0 (the embedding's type):                  blocks of 32, float16 d,  q ∈ [-127, 127]
 
 Taught in notebook 08.
 """
@@ -150,6 +151,30 @@ def q4_1_dequantize(blocks: Q4_1) -> torch.Tensor:
     d = blocks.d.float()[..., None]
     m = blocks.m.float()[..., None]
     return (d * q + m).reshape(out_f, in_f)
+
+
+# -- GGUF Q8_0 (the tied embedding's type in the shipped file) ------------------------------
+
+def q8_0_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (in a multiple of 32) -> (q int8 [out, in], d float16 [out, in/32]):
+    GGUF's Q8_0, symmetric int8 per block of 32 inputs, d = max|w| / 127 (llama.cpp's rule).
+    w ≈ q · d. On a tensor that already is dequantized Q8_0 it gives back the same q and d."""
+    _check_matrix(w)
+    out_f, in_f = w.shape
+    if in_f % Q4_1_BLOCK:
+        raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q4_1_BLOCK}; got {in_f}")
+    blocks = w.float().reshape(out_f, in_f // Q4_1_BLOCK, Q4_1_BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(out_f, in_f), d.to(torch.float16)
+
+
+def q8_0_dequantize(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q int8 [out, in], d float16 [out, in/32]) -> float32 [out, in]: w = q · d."""
+    out_f, in_f = q.shape
+    blocks = q.reshape(out_f, in_f // Q4_1_BLOCK, Q4_1_BLOCK).float()
+    return (blocks * d.float()[..., None]).reshape(out_f, in_f)
 
 
 # -- float8 e4m3, per output channel -----------------------------------------------------

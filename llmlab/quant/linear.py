@@ -13,6 +13,13 @@ two forward paths with the same answer up to rounding:
   widens the output back to float32. That extra rounding is part of what the quality
   evaluation measures.
 
+On CUDA the int8 and 4-bit layers run the Triton dequantize-in-GEMM kernel instead
+(:mod:`llmlab.kernels.quant_gemm`, on the same stored codes and scales).
+
+``Q8_0Linear`` (GGUF's Q8_0, the shipped embedding's type) runs on the 4-bit kernel by
+writing each int8 code as two 4-bit digits. ``SharedProjection`` computes several
+projections of one input (q/k/v, gate/up) with one call.
+
 ``use_kernels(False)`` switches every layer to the reference path (a context manager).
 Taught in notebook 08.
 """
@@ -42,7 +49,7 @@ def use_kernels(enabled: bool = True):
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    return _KERNELS["enabled"] and x.device.type == "cpu"
+    return _KERNELS["enabled"] and x.device.type in ("cpu", "cuda")   # CUDA: the Triton kernel
 
 
 def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -107,6 +114,9 @@ class Int8Linear(QuantizedLinear):
         return self.qweight[ids].float() * self.scale[ids][..., None]
 
     def kernel_forward(self, x):
+        if x.is_cuda:
+            from ..kernels.quant_gemm import int8_gemm
+            return int8_gemm(x, self.qweight, self.scale).float()
         x2, lead = _as_2d(x)
         y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16)
         return y.float().reshape(*lead, self.out_features)
@@ -148,6 +158,13 @@ class GroupLinear(QuantizedLinear):
         return (self.packed_codes.numel() + self.d.numel() * self.d.element_size()
                 + self.m.numel() * self.m.element_size())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` of the weight (the embedding lookup of a tied table)."""
+        pc = self.packed_codes[ids]
+        codes = torch.stack([pc & 0x0F, pc >> 4], dim=-1).reshape(*ids.shape, -1, self.group_size)
+        w = codes.float() * self.d[ids].float()[..., None] + self.m[ids].float()[..., None]
+        return w.reshape(*ids.shape, self.in_features)
+
     def _build_kernel_weight(self):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
         # the kernel computes w = (q - 8)·scale + zero, so zero = m + 8·d
@@ -156,6 +173,9 @@ class GroupLinear(QuantizedLinear):
         self._kernel_weight = (packed, sz.to(torch.bfloat16))
 
     def kernel_forward(self, x):
+        if x.is_cuda:
+            from ..kernels.quant_gemm import int4_gemm
+            return int4_gemm(x, self.packed_codes, self.d, self.m, self.group_size).float()
         if self.group_size not in INT4_KERNEL_GROUPS:
             return None
         if self._kernel_weight is None:
@@ -164,6 +184,60 @@ class GroupLinear(QuantizedLinear):
         x2, lead = _as_2d(x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed,
                                                        self.group_size, sz)
+        return y.float().reshape(*lead, self.out_features)
+
+
+class Q8_0Linear(QuantizedLinear):
+    """GGUF Q8_0: int8 codes with a float16 scale per block of 32 inputs (34 bytes per 32
+    weights). SmolLM2's file stores the tied embedding in this type, so here it is exact.
+
+    PyTorch has no CPU kernel for block-scaled int8, so the kernel path writes every code
+    as two 4-bit digits, q = 16·hi + lo with hi in [-8, 7] and lo in [0, 15], and runs the
+    4-bit group kernel once over [W_hi | W_lo] (scales 16·d and d) against [x | x]: the same
+    weights, up to the kernel's bfloat16 scales, at 40 bytes per 32 weights read.
+    """
+
+    scheme = "q8_0"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0])
+        q, d = formats.q8_0_quantize(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("d", d)
+        self._kernel_weight = None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return formats.q8_0_dequantize(self.qweight, self.d)
+
+    def weight_nbytes(self) -> int:
+        return self.qweight.numel() + self.d.numel() * 2
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` of the weight (the embedding lookup of a tied table)."""
+        q = self.qweight[ids].reshape(*ids.shape, -1, formats.Q4_1_BLOCK).float()
+        return (q * self.d[ids].float()[..., None]).reshape(*ids.shape, self.in_features)
+
+    def _build_kernel_weight(self):
+        q = self.qweight.to(torch.int32)
+        hi, lo = q >> 4, q & 0x0F                 # arithmetic shift: q = 16·hi + lo
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([hi + 8, lo], 1), 1)
+        d = self.d.float()
+        # the kernel computes (code - 8)·scale + zero per group: hi groups (16d, 0), lo (d, 8d)
+        scale = torch.cat([16 * d, d], dim=1)
+        zero = torch.cat([torch.zeros_like(d), 8 * d], dim=1)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self._kernel_weight = (packed, sz.to(torch.bfloat16))
+
+    def kernel_forward(self, x):
+        if x.is_cuda:
+            return None
+        if self._kernel_weight is None:
+            self._build_kernel_weight()
+        packed, sz = self._kernel_weight
+        x2, lead = _as_2d(x)
+        xb = x2.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([xb, xb], dim=-1), packed,
+                                                       formats.Q4_1_BLOCK, sz)
         return y.float().reshape(*lead, self.out_features)
 
 
@@ -213,9 +287,63 @@ class QuantizedEmbedding(nn.Module):
     """A token embedding that reads its rows from a quantized [vocab, hidden] linear (the
     tied lm_head), so the table is stored once: ids [...] -> vectors [..., hidden]."""
 
-    def __init__(self, table: "Int8Linear | BF16Linear"):
+    def __init__(self, table: QuantizedLinear):
         super().__init__()
         self.table = table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.rows(ids)
+
+
+class SharedProjection(nn.Module):
+    """Several projections of one input (q, k and v; or gate and up) as one packed matmul.
+
+    ``fused`` is one quantized layer whose output rows are the projections' rows stacked
+    (per-row and per-group formats quantize each row alone, so stacking changes no weight).
+    Its :attr:`parts` stand where the separate layers stood: the first part called with an
+    input computes the whole product, and the other parts, called with the same tensor,
+    return their slices of it; the module that calls them is unchanged. One call instead of
+    three reads the same bytes but pays the fixed costs of a call (converting the input,
+    starting the kernel's threads) once.
+    """
+
+    def __init__(self, fused: QuantizedLinear, sizes: list[int]):
+        super().__init__()
+        if sum(sizes) != fused.out_features:
+            raise ValueError(f"part sizes {list(sizes)} must add up to the fused layer's "
+                             f"{fused.out_features} outputs")
+        self.fused, self.sizes = fused, tuple(sizes)
+        self.parts = [ProjectionSlice(self, i) for i in range(len(sizes))]
+        self._x, self._ys, self._served = None, None, set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Output ``index`` for input ``x``: computed with the others on the first call."""
+        if x is not self._x:
+            self._x, self._ys, self._served = x, self.fused(x).split(self.sizes, dim=-1), set()
+        y = self._ys[index]
+        self._served.add(index)
+        if len(self._served) == len(self.sizes):      # all parts served: keep nothing
+            self._x, self._ys = None, None
+        return y
+
+    def extra_repr(self) -> str:
+        return f"sizes={list(self.sizes)}"
+
+
+class ProjectionSlice(nn.Module):
+    """Part ``index`` of a :class:`SharedProjection`, in place of one projection layer."""
+
+    def __init__(self, owner: SharedProjection, index: int):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)      # not a submodule: stored once, by the owner
+        self.index = index
+        self.in_features, self.out_features = owner.fused.in_features, owner.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner.part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of a shared projection, out_features={self.out_features}"

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, NullFormatter
 import numpy as np
 
 GAUGES = {"llmlab_requests_running": "running", "llmlab_requests_waiting": "waiting",
@@ -52,13 +53,26 @@ def plot_sweep(rows: list[dict], ttft_target_s: float, title: str = ""):
     bx.set(xscale="log", xlabel="arrival rate (requests/s)", ylabel="generated tokens/s",
            title="throughput")
     bx.set_ylim(bottom=0)
+    rates = sorted({r["rate"] for r in rows})
     for a in (ax, bx):
+        a.set_xticks(rates, [f"{x:g}" for x in rates])
+        a.xaxis.set_minor_formatter(NullFormatter())
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=8)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _two_and_five(v: float, _pos=None) -> str:
+    """Label a log axis's minor ticks at 2 and 5 times a power of ten only."""
+    if v <= 0:
+        return ""
+    lead = v / 10 ** math.floor(math.log10(v))
+    return f"{v:g}" if round(lead, 6) in (2.0, 5.0) else ""
 
 
 def latencies(row: dict, metric: str = "ttft") -> np.ndarray:

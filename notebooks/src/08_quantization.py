@@ -149,10 +149,12 @@ with safe_open(str(model_dir("smollm2-135m") / "model.safetensors"), "pt") as f:
 #
 # `llmlab.quantize(model, scheme)` returns a new model (the float32 one is untouched) whose
 # linear layers store int8 (one scale per row), int4 (groups of 32, float16 step and
-# minimum) or Q4_1; the tied embedding / lm_head is stored in int8 (one scale per row) by default. That
-# table is a fifth of the float32 bytes and is read whole by every decode step; the shipped
-# file keeps it at 8 bits (Q8_0), so 4 bits would lose more than the file did. The third model
-# below keeps it in float32 (`lm_head="fp32"`), to separate the two sources of error.
+# minimum) or Q4_1. The tied embedding / lm_head is a fifth of the float32 bytes and is read
+# whole by every decode step; the shipped file keeps it in GGUF's Q8_0 (int8 codes, a float16
+# scale per block of 32), and so does `quantize` by default (`lm_head="q8_0"`): exactly the
+# file's values, at a quarter of float32's bytes. (4 bits there lose far more than the file did;
+# `lm_head="int4"` lets you measure it.) The third model below keeps the head in float32
+# (`lm_head="fp32"`), to see what the head's kernel still costs.
 #
 # The quality measures, over the first tokens of a text written for the workbook
 # (`data/text/memory_hierarchy.md`): the KL divergence of the next-token distribution from
@@ -176,9 +178,10 @@ print(f"KLD int8 (per row) / KLD int4 (groups of 32) = {quality['int8'].kld / qu
 
 # %% [markdown]
 # Read the KLDs with the round trip in mind. The int4 linears reproduce the shipped weights
-# exactly (groups of 32 along the inputs, like Q4_1), so int4's KLD comes only from the int8
-# lm_head and from the kernels rounding activations to bfloat16; with a float32 head only the
-# second is left. Greedy answers are fragile: one near-tie flipped early changes every later
+# exactly (groups of 32 along the inputs, like Q4_1) and the Q8_0 head reproduces the shipped
+# table exactly, so int4's KLD comes only from the kernels rounding activations to bfloat16;
+# the float32 head removes that rounding from the last matmul, the most sensitive one.
+# Greedy answers are fragile: one near-tie flipped early changes every later
 # token, which is why KLD and top-1 over a long text are the steadier measures. int8 with **one
 # scale per row** is *coarser* than the file's 4-bit blocks wherever a block's range is below
 # about 12% of its row's largest weight (15 levels over a small range beat 127 levels over a

@@ -212,7 +212,7 @@ my_best_k = ...  # YOUR ANSWER: 1, 2, 4 or 8
 import statistics
 import time
 
-REPEATS = 3 if QUICK else 5
+REPEATS = 3
 
 
 def timed(spec):
@@ -261,9 +261,9 @@ exercises.check("nb09.predict_best_k", my_best_k, measured=measured_ngram)
 # below). The model assumes the verify forward of k + 1 tokens costs one decode step; on this
 # CPU the matmuls of several tokens are not free, so every verified token adds a little, and
 # rejected drafts are paid for too. The early-exit draft costs a sizeable fraction of a step per
-# drafted token (its c above), and the first 8 of 30 layers guess the target's token poorly
+# drafted token (its c above), and the first 8 of 30 layers almost never guess the target's token
 # (its acceptance above): it loses. Prompt lookup costs almost nothing to draft, and on an
-# answer that copies its prompt most of its drafts are accepted.
+# answer that copies its prompt many of its drafts are accepted (the acceptance above).
 
 # %%
 for (m, k), r in grid.items():

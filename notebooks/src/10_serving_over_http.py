@@ -201,7 +201,7 @@ exercises.check("nb10.parse_sse", parse_sse, base_url=server.base_url, model=MOD
 #
 # Next you send requests at random times, as independent users would: a **Poisson process**,
 # whose gaps between arrivals are exponential with mean 1/rate. Each request is a prompt of
-# the trace in `data/traces/` with up to 16 greedy tokens. The target is a p90 TTFT of 2 s.
+# the trace in `data/traces/` with up to 16 greedy tokens. The target is a p90 TTFT of 1 s.
 #
 # The burst above measured how many tokens per second the server makes with its batch full.
 # **Predict** the largest arrival rate (requests per second) the continuous server sustains
@@ -211,7 +211,7 @@ exercises.check("nb10.parse_sse", parse_sse, base_url=server.base_url, model=MOD
 my_rate = ...  # YOUR PREDICTION: requests per second
 
 # %%
-TARGET_S = 2.0
+TARGET_S = 1.0
 N_REQUESTS = 8 if QUICK else 10
 RATES = [1.0, 2.0, 4.0, 8.0]
 trace = load_trace(TRACES_DIR / "cpu.jsonl", N_REQUESTS, max_output=16)
@@ -243,14 +243,17 @@ plot_sweep(rows, TARGET_S, f"{MODEL}, {SEATS} seats, {N_REQUESTS} requests per r
 plt.show()
 
 # %% [markdown]
-# Both servers get the same requests at the same times. At a low rate the two behave alike:
-# a request rarely finds the server busy. As the rate grows, the static server's p90 TTFT
-# climbs first and fastest: a request that arrives while a batch runs waits for the whole
-# batch to finish. The continuous server admits it at the next step, so its TTFT stays near
-# one prefill until its seats are full. Throughput follows the arrival rate while the server
-# keeps up and flattens where it saturates. With only ten requests per rate, on a shared
-# 2-core CPU, one run's p90 is noisy; `python -m llmlab.bench serve-http` runs the larger
-# sweep quoted in the README.
+# Both servers get the same requests at the same times. The static server's p90 TTFT is high
+# already at the lowest rate: a static batch holds the server until its last member has
+# made all its tokens, so a request that arrives meanwhile waits for the whole batch, about
+# max_tokens steps, before its own prefill. The continuous server admits it at the next step,
+# so its TTFT stays near one prefill until the arrivals approach what it can finish per
+# second; then requests queue for seats and its TTFT climbs too. Throughput follows the
+# arrival rate while a server keeps up and flattens where it saturates; the continuous one
+# flattens higher, because its seats never sit idle waiting for a batch's longest member.
+# With ten requests per rate on a 2-core CPU one run's p90 is noisy (read the printed
+# numbers, not the curve's wiggles); `python -m llmlab.bench serve-http` runs the larger sweep
+# quoted in the README.
 #
 # ## Play: the latency distribution at one rate
 #

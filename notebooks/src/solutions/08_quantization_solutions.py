@@ -38,8 +38,8 @@ exercises.check("nb08.group_quantize", (group_quantize, group_dequantize))
 # %% [markdown]
 # ## Predict: the int4 speedup
 #
-# The bound is the ratio of weight bytes, about 5.7× (4-bit codes plus a step and a minimum
-# per 32 weights, the int8 lm_head, float32 norms). A measured speedup falls below it: the
+# The bound is the ratio of weight bytes, about 5.6× (4-bit codes plus a step and a minimum
+# per 32 weights, the Q8_0 lm_head, float32 norms). A measured speedup falls below it: the
 # per-layer Python, the bfloat16 conversions, attention and the norms do not shrink. Without a
 # measurement the check compares with the bound.
 
