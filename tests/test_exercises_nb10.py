@@ -61,7 +61,8 @@ def _rows():
             res = [_result(0.0, [ttft * (i + 1) / 4 + k * 0.1 for k in range(4)], 4)
                    for i in range(4)]
             rows.append({"scheduler": sched, "rate": rate, "results": res,
-                         "ttft_p90_s": ttft * rate, "throughput_tok_s": 10 * rate})
+                         "ttft_p90_s": ttft * rate, "throughput_tok_s": 10 * rate,
+                         "e2e_p90_s": 2 * ttft * rate})
     return rows
 
 
@@ -83,6 +84,7 @@ def test_sweep_and_gauge_figures_draw_one_line_per_scheduler():
 
     fig = plot_sweep(_rows(), 1.0)
     assert [ln.get_label() for ln in fig.axes[1].get_lines()] == ["static", "continuous"]
+    assert [float(x) for x in fig.axes[1].get_lines()[0].get_xdata()] == [10.0, 20.0]
     plt.close(fig)
     samples = [(0.1 * i, {"llmlab_requests_running": i % 3, "llmlab_requests_waiting": 0,
                           "llmlab_kv_blocks_used": 2 * i}) for i in range(5)]

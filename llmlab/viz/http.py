@@ -39,24 +39,29 @@ def plot_gauges(samples: list[tuple[float, dict[str, float]]], title: str = ""):
 
 
 def plot_sweep(rows: list[dict], ttft_target_s: float, title: str = ""):
-    """p90 TTFT (left) and generated tokens/s (right) against the arrival rate, one line
-    per scheduler; the dashed line is the TTFT target."""
+    """p90 TTFT against the arrival rate (left; the dashed line is the TTFT target) and
+    p90 end-to-end latency against throughput (right), one line per scheduler."""
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
     for sched in dict.fromkeys(r["scheduler"] for r in rows):
         rs = sorted((r for r in rows if r["scheduler"] == sched), key=lambda r: r["rate"])
         rates = [r["rate"] for r in rs]
         ax.plot(rates, [r["ttft_p90_s"] for r in rs], "o-", label=sched)
-        bx.plot(rates, [r["throughput_tok_s"] for r in rs], "o-", label=sched)
+        bx.plot([r["throughput_tok_s"] for r in rs], [r["e2e_p90_s"] for r in rs], "o-",
+                label=sched)
+        for r in rs:
+            bx.annotate(f"{r['rate']:g}/s", (r["throughput_tok_s"], r["e2e_p90_s"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
     ax.axhline(ttft_target_s, ls="--", color="gray", lw=1, label=f"target {ttft_target_s:g} s")
     ax.set(xscale="log", yscale="log", xlabel="arrival rate (requests/s)",
            ylabel="p90 TTFT (s)", title="latency as the load grows")
-    bx.set(xscale="log", xlabel="arrival rate (requests/s)", ylabel="generated tokens/s",
-           title="throughput")
+    bx.set(xlabel="throughput (generated tokens/s)", ylabel="p90 end-to-end latency (s)",
+           title="throughput against latency (points: rates)")
+    bx.set_xlim(left=0)
     bx.set_ylim(bottom=0)
     rates = sorted({r["rate"] for r in rows})
+    ax.set_xticks(rates, [f"{x:g}" for x in rates])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     for a in (ax, bx):
-        a.set_xticks(rates, [f"{x:g}" for x in rates])
-        a.xaxis.set_minor_formatter(NullFormatter())
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

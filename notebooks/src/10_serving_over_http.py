@@ -249,8 +249,9 @@ plt.show()
 # max_tokens steps, before its own prefill. The continuous server admits it at the next step,
 # so its TTFT stays near one prefill until the arrivals approach what it can finish per
 # second; then requests queue for seats and its TTFT climbs too. Throughput follows the
-# arrival rate while a server keeps up and flattens where it saturates; the continuous one
-# flattens higher, because its seats never sit idle waiting for a batch's longest member.
+# arrival rate while a server keeps up and flattens where it saturates (right: each point is a
+# rate); the continuous one flattens higher and at a lower latency, because its seats never
+# sit idle waiting for a batch's longest member.
 # With ten requests per rate on a 2-core CPU one run's p90 is noisy (read the printed
 # numbers, not the curve's wiggles); `python -m llmlab.bench serve-http` runs the larger sweep
 # quoted in the README.
@@ -269,7 +270,7 @@ widgets.interactive(explore_rate, rows=widgets.fixed(rows),
                     draw=widgets.fixed(True))
 
 # %%
-view = explore_rate(rows, RATES[-1], "ttft", draw=False)
+view = explore_rate(rows, RATES[-1], "ttft")
 print(f"at {view.rate:g} requests/s, p90 TTFT: " +
       ", ".join(f"{s} {v:.2f} s" for s, v in view.p90.items()))
 
