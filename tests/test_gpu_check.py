@@ -58,3 +58,17 @@ def test_without_cuda_it_says_so_and_fails(tmp_path, capsys):
     assert G.main(["--out", str(tmp_path / "gpu")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer to --gpu")
+def test_every_benchmark_accepts_gpu_and_says_it_needs_cuda():
+    """``make gpu-check`` passes --gpu to every benchmark: none may refuse the option."""
+    import subprocess
+
+    from llmlab.bench.__main__ import names
+
+    for name in names():
+        res = subprocess.run([sys.executable, "-m", "llmlab.bench", name, "--gpu"],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{name}: {res.stderr[-2000:]}"
+        assert "CUDA" in res.stdout, f"{name} --gpu printed: {res.stdout[-500:]}"

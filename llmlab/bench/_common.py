@@ -37,3 +37,36 @@ def save(name: str, payload: dict) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": describe(), **payload}, indent=1, default=str))
     return path
+
+
+def timed_parser(name: str, doc: str, quick: str, repeats: int, new_tokens: int,
+                 argv: list[str], add=None):
+    """The options every generation benchmark shares (``--quick``, ``--repeats`` (median),
+    ``--new-tokens``, ``--threads``, ``--gpu``) plus those ``add(parser)`` adds; parsed and
+    checked. ``--threads`` is applied to torch here. None (after saying so) for ``--gpu`` on
+    a machine without CUDA: ``make gpu-check`` passes ``--gpu`` to every benchmark."""
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(prog=f"python -m llmlab.bench {name}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--repeats", type=int, default=repeats,
+                    help=f"median of this many runs (default {repeats})")
+    ap.add_argument("--new-tokens", type=int, default=new_tokens,
+                    help=f"tokens generated per run (default {new_tokens})")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--gpu", action="store_true", help="run on CUDA (needs a GPU)")
+    if add is not None:
+        add(ap)
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.new_tokens < 2:
+        raise ValueError(f"--repeats={args.repeats} must be >= 1 and --new-tokens="
+                         f"{args.new_tokens} >= 2")
+    if args.gpu and not torch.cuda.is_available():
+        print(f"{name} --gpu needs CUDA; nothing to do on this machine")
+        return None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args

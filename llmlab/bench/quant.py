@@ -18,13 +18,12 @@ one in the model package) on the same prompt and the ratio is printed; otherwise
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from ._common import header, save, table
+from ._common import header, save, table, timed_parser
 
 PROMPT_LEN, PREFILL_LEN = 32, 256
 TARGETS = {"int8": 1.5, "int4": 2.0}     # batch-1 decode tokens/s over float32's
@@ -212,25 +211,19 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m llmlab.bench quant", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 repeat, 256 quality tokens")
-    ap.add_argument("--repeats", type=int, default=5, help="median of this many runs (default 5)")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
-    ap.add_argument("--quality-tokens", type=int, default=100_000,
-                    help="tokens of the evaluation text for KLD (default: all of it)")
-    ap.add_argument("--gguf", default=None, help="a GGUF file for the llama.cpp comparison")
-    ap.add_argument("--lm-head", default="q8_0", help="q8_0 (default), int8, int4, bf16 or fp32: "
-                    "the tied embedding / lm_head of the quantized models")
-    ap.add_argument("--greedy-tokens", type=int, default=32,
-                    help="greedy tokens per chat prompt for the agreement column (0: skip)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = ap.parse_args(argv)
-    if args.repeats < 1 or args.new_tokens < 2:
-        raise ValueError(f"--repeats={args.repeats} must be >= 1 and --new-tokens="
-                         f"{args.new_tokens} >= 2")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    def more(ap):
+        ap.add_argument("--quality-tokens", type=int, default=100_000,
+                        help="tokens of the evaluation text for KLD (default: all of it)")
+        ap.add_argument("--gguf", default=None, help="a GGUF file for the llama.cpp comparison")
+        ap.add_argument("--lm-head", default="q8_0", help="q8_0 (default), int8, int4, bf16 or "
+                        "fp32: the tied embedding / lm_head of the quantized models")
+        ap.add_argument("--greedy-tokens", type=int, default=32,
+                        help="greedy tokens per chat prompt for the agreement column (0: skip)")
+
+    args = timed_parser("quant", __doc__, "16 new tokens, 1 repeat, 256 quality tokens", 5, 64,
+                        argv, more)
+    if args is None:
+        return 0
     new, repeats, qtok = args.new_tokens, args.repeats, args.quality_tokens
     if args.quick:
         new, repeats, qtok = 16, 1, 256

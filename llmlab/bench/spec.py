@@ -20,7 +20,6 @@ Taught in notebook 09.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -28,7 +27,7 @@ import torch
 
 from ..device import default_dtype
 from ..speculative import cost_model_speedup
-from ._common import header, save, table
+from ._common import header, save, table, timed_parser
 
 EDIT_PROMPTS = [     # a paragraph to correct, answered by copying it with a few changes
     "Fix the typos in this paragraph and write out the corrected paragraph: The library in our "
@@ -149,21 +148,15 @@ def bench(new_tokens: int, repeats: int, configs, early_layers: int, device,
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m llmlab.bench spec", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="24 new tokens, 1 repeat, k in {2, 4}")
-    ap.add_argument("--repeats", type=int, default=3, help="median of this many (default 3)")
-    ap.add_argument("--new-tokens", type=int, default=64, help="per prompt (default 64)")
-    ap.add_argument("--early-layers", type=int, default=8,
-                    help="layers of the early-exit draft (default 8 of 30)")
-    ap.add_argument("--attention", default="sdpa", help="llmlab attention backend (default sdpa)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = ap.parse_args(argv)
-    if args.repeats < 1 or args.new_tokens < 2:
-        raise ValueError(f"--repeats={args.repeats} must be >= 1 and --new-tokens="
-                         f"{args.new_tokens} >= 2")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    def more(ap):
+        ap.add_argument("--early-layers", type=int, default=8,
+                        help="layers of the early-exit draft (default 8 of 30)")
+        ap.add_argument("--attention", default="sdpa",
+                        help="llmlab attention backend (default sdpa)")
+
+    args = timed_parser("spec", __doc__, "24 new tokens, 1 repeat, k in {2, 4}", 3, 64, argv, more)
+    if args is None:
+        return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     configs, new, repeats = CONFIGS, args.new_tokens, args.repeats
     if args.quick:
