@@ -204,7 +204,7 @@ def test_shared_projection_serves_each_part_its_slice():
     x = torch.randn(2, 3, 64)
     for i in (2, 0, 1):                                   # any order
         assert torch.equal(shared.parts[i](x), alone[i](x))
-    assert shared._x is None and shared._ys is None       # nothing kept once all are served
+    assert shared._pending[:2] == [None, None]            # nothing kept once all are served
     x2 = torch.randn(2, 3, 64)
     assert torch.equal(shared.parts[1](x2), alone[1](x2))  # a new input is a new product
     assert not torch.equal(shared.parts[0](x), shared.parts[0](x2))

@@ -67,10 +67,15 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def reset_rotary(self, device=None) -> None:
-        """Recompute RoPE frequencies in float32 (after a meta build or a dtype cast)."""
+        """Recompute RoPE frequencies in float32 (after a meta build or a dtype cast).
+        Layers with the same head size and theta share one tensor, so the cos/sin tables
+        built by the first layer of a forward serve them all (:mod:`llmlab.layers.rotary`)."""
+        shared: dict = {}
         for mod in self.modules():
             if isinstance(mod, rotary.RotaryEmbedding):
-                mod.reset_frequencies(device)
+                key = (mod.head_dim, mod.theta)
+                mod.reset_frequencies(device, shared.get(key))
+                shared.setdefault(key, mod.inv_freq)
 
     # -- forward -------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -101,6 +106,7 @@ class CausalLM(nn.Module):
         if top >= self.config.max_position_embeddings:
             raise ValueError(f"position {top} is past the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
+        rotary.clear_tables()        # positions differ from the last forward's
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, cache, key_padding_mask)

@@ -314,19 +314,23 @@ class SharedProjection(nn.Module):
                              f"{fused.out_features} outputs")
         self.fused, self.sizes = fused, tuple(sizes)
         self.parts = [ProjectionSlice(self, i) for i in range(len(sizes))]
-        self._x, self._ys, self._served = None, None, set()
+        # [input, its outputs, parts served]: one plain list, mutated in place, because
+        # setting attributes on a Module goes through its (slow) __setattr__
+        self._pending = [None, None, set()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused(x)
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Output ``index`` for input ``x``: computed with the others on the first call."""
-        if x is not self._x:
-            self._x, self._ys, self._served = x, self.fused(x).split(self.sizes, dim=-1), set()
-        y = self._ys[index]
-        self._served.add(index)
-        if len(self._served) == len(self.sizes):      # all parts served: keep nothing
-            self._x, self._ys = None, None
+        pending = self._pending
+        if x is not pending[0]:
+            pending[:] = x, self.fused(x).split(self.sizes, dim=-1), set()
+        y = pending[1][index]
+        served = pending[2]
+        served.add(index)
+        if len(served) == len(self.sizes):             # all parts served: keep nothing
+            pending[:] = None, None, set()
         return y
 
     def extra_repr(self) -> str:
