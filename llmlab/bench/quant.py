@@ -18,6 +18,7 @@ one in the model package) on the same prompt and the ratio is printed; otherwise
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -28,6 +29,7 @@ from ._common import header, save, table, timed_parser
 PROMPT_LEN, PREFILL_LEN = 32, 256
 TARGETS = {"int8": 1.5, "int4": 2.0}     # batch-1 decode tokens/s over float32's
 KLD_TARGET = {"int8": 1e-3}
+BREAKDOWN = ("fp32", "int8", "int4", "q4_1")    # schemes in the step breakdown
 
 
 def _decode_rate(model, tok, ids: list[list[int]], new_tokens: int) -> float:
@@ -47,6 +49,68 @@ def _prefill_rate(model, ids: torch.Tensor) -> float:
     t0 = time.perf_counter()
     model(ids, last_only=True)
     return ids.numel() / (time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _linears_skipped():
+    """Within the block every linear layer (float or quantized) returns zeros of the right
+    shape without reading its weight: what is left of a decode step is everything else
+    (norms, RoPE, attention, the KV cache, Python and the dispatcher)."""
+    from torch import nn
+
+    from llmlab.quant import QuantizedLinear
+
+    def zeros(self, x):
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+    saved = nn.Linear.forward, QuantizedLinear.forward
+    nn.Linear.forward = QuantizedLinear.forward = zeros
+    try:
+        yield
+    finally:
+        nn.Linear.forward, QuantizedLinear.forward = saved
+
+
+@torch.inference_mode()
+def _step_ms(model, prompt: list[int], steps: int) -> float:
+    """Milliseconds per batch-1 decode step of the model alone (contiguous cache, no
+    sampling): median over ``steps`` steps after two warm-up steps."""
+    from ..generate import ContiguousBatch
+
+    batch = ContiguousBatch(model, [prompt], 0, steps + 3)
+    batch.prefill()
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        batch.decode([0], [prompt[i % len(prompt)]])
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[2:])
+
+
+def step_breakdown(models: dict, prompt: list[int], bandwidth: float, steps: int = 24,
+                   repeats: int = 3) -> list[dict]:
+    """Where a batch-1 decode step goes, per model: the whole step, the step with every
+    linear layer skipped (:func:`_linears_skipped`), their difference (the matmuls), and
+    the bandwidth the matmuls reach over the weight bytes they read. Medians of
+    ``repeats`` interleaved runs."""
+    from llmlab.quant import weight_nbytes
+
+    whole: dict[str, list[float]] = {}
+    rest: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, m in models.items():
+            whole.setdefault(name, []).append(_step_ms(m, prompt, steps))
+            with _linears_skipped():
+                rest.setdefault(name, []).append(_step_ms(m, prompt, steps))
+    rows = []
+    for name, m in models.items():
+        w, r = statistics.median(whole[name]), statistics.median(rest[name])
+        mm = max(w - r, 1e-6)
+        nbytes = weight_nbytes(m)
+        rows.append({"scheme": name, "step ms": w, "outside matmuls ms": r, "matmuls ms": mm,
+                     "matmul GB/s": nbytes / mm / 1e6, "of copy bw": nbytes / (mm / 1e3) / bandwidth,
+                     "roof ms": nbytes / bandwidth * 1e3})
+    return rows
 
 
 def _find_gguf() -> str | None:
@@ -72,7 +136,7 @@ def _find_gguf() -> str | None:
     return str(tmp / fetch.SMOLLM2_GGUF)
 
 
-def _llama_cpp(gguf: str | None, prompt_ids: list[int], new_tokens: int, repeats: int,
+def llama_cpp_decode_rate(gguf: str | None, prompt_ids: list[int], new_tokens: int, repeats: int,
                threads: int | None):
     """llama.cpp decode tokens/s on ``gguf`` (median of ``repeats``, decode only), or a
     string saying why it did not run."""
@@ -200,14 +264,26 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
           "memory roof is bandwidth / weight bytes (roof b1 tok/s) and 'of roof' is the share "
           "reached; prefill reuses each weight for all prompt tokens and stays compute-bound "
           "(x fp32 prefill column)")
-    lc = _llama_cpp(gguf, prompts(tok, 1)[0], new_tokens, repeats, threads)
+    print("\n   where a batch-1 decode step goes (model forward only, no sampling; 'outside "
+          "matmuls' = the same step with every linear layer skipped):")
+    steps = step_breakdown({k: models[k] for k in BREAKDOWN}, prompts(tok, 1)[0], bw,
+                           repeats=max(1, min(repeats, 3)))
+    table(steps)
+    lc = llama_cpp_decode_rate(gguf, prompts(tok, 1)[0], new_tokens, repeats, threads)
     if isinstance(lc, str):
         print("   " + lc)
     else:
         by = {r["scheme"]: r["decode b1 tok/s"] for r in rows}
-        print(f"   llama.cpp on the same Q4_1 GGUF: {lc:.1f} tok/s decode at batch 1; "
-              f"llmlab q4_1 = {by['q4_1'] / lc:.2f}x, int4 = {by['int4'] / lc:.2f}x of it")
-    return {"rows": rows, "bandwidth_bytes_per_s": bw, "targets": verdicts, "llama_cpp": lc}
+        st = {r["scheme"]: r for r in steps}
+        print(f"   llama.cpp on the same Q4_1 GGUF: {lc:.1f} tok/s decode at batch 1 "
+              f"({1000 / lc:.1f} ms a step); llmlab q4_1 = {by['q4_1'] / lc:.2f}x, "
+              f"int4 = {by['int4'] / lc:.2f}x of it. What separates llmlab's int4 step "
+              f"({st['int4']['step ms']:.1f} ms) from it: {st['int4']['outside matmuls ms']:.1f} ms "
+              f"outside the matmuls (Python, dispatch, small ops) and matmuls at "
+              f"{st['int4']['of copy bw']:.0%} of copy bandwidth "
+              f"({st['int4']['matmuls ms']:.1f} ms against a {st['int4']['roof ms']:.1f} ms roof)")
+    return {"rows": rows, "steps": steps, "bandwidth_bytes_per_s": bw, "targets": verdicts,
+            "llama_cpp": lc}
 
 
 def main(argv: list[str]) -> int:

