@@ -261,13 +261,18 @@ def test_quantized_model_runs_in_the_engine(tiny, tok):
 def test_lm_head_choice(tiny):
     q8 = llmlab.quantize(tiny, "int4", lm_head="int8")
     q32 = llmlab.quantize(tiny, "int4", lm_head="fp32")
-    assert isinstance(llmlab.quantize(tiny, "int4").lm_head, quant.Q8_0Linear)   # the default
-    assert isinstance(q8.lm_head, quant.Int8Linear)
-    assert q8.embed_tokens.table is q8.lm_head           # tied: stored once
+    default = llmlab.quantize(tiny, "int4").lm_head
+    assert isinstance(default, quant.RefinedHead) and default.top == 64
+    assert isinstance(default.head, quant.Q8_0Linear)                          # the default
+    assert isinstance(llmlab.quantize(tiny, "int4", exact_top=0).lm_head, quant.Q8_0Linear)
+    assert isinstance(q8.lm_head.head, quant.Int8Linear)
+    assert q8.embed_tokens.table is q8.lm_head.head      # tied: stored once
     assert q32.lm_head.weight is tiny.lm_head.weight     # shared, not copied
     assert quant.weight_nbytes(q8) < quant.weight_nbytes(q32)
     qb = llmlab.quantize(tiny, "int4", lm_head="bf16")
-    assert qb.embed_tokens.table is qb.lm_head and qb.lm_head.wbf16.dtype == torch.bfloat16
+    assert qb.embed_tokens.table is qb.lm_head.head and qb.lm_head.head.wbf16.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="exact_top=-1"):
+        llmlab.quantize(tiny, "int4", exact_top=-1)
     ids = torch.tensor([[4, 8, 15, 16]])
     assert torch.allclose(qb.embed_tokens(ids), tiny.embed_tokens(ids), rtol=1e-2, atol=1e-6)
     assert quant.weight_nbytes(q8) < quant.weight_nbytes(qb) < quant.weight_nbytes(q32)
@@ -322,3 +327,22 @@ def test_group_format_bytes_counts_codes_and_scales():
     q4 = qeval.group_format_bytes(cfg, 4, 32)
     assert quant.weight_nbytes(llmlab.quantize(llmlab.load_model("tiny-llama"), "q4_1")) == \
         pytest.approx(q4, rel=0.02)
+
+
+def test_refined_head_recomputes_the_largest_logits_exactly():
+    torch.manual_seed(7)
+    head = quant.Q8_0Linear(torch.randn(512, 64) * 0.05)
+    refined = quant.RefinedHead(head, top=10)
+    x = torch.randn(3, 2, 64) * 4
+    with torch.inference_mode():
+        fast, got = head(x), refined(x)
+        exact = x @ head.dequantized_weight().T
+    top = fast.topk(10, dim=-1).indices
+    assert (fast - exact).abs().max() > 1e-3            # the bfloat16 kernel is off...
+    assert torch.allclose(got.gather(-1, top), exact.gather(-1, top), atol=1e-5)   # ...these are not
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, top, False)
+    assert torch.equal(got[rest], fast[rest])           # the others keep the kernel's values
+    with pytest.raises(ValueError, match="top=0"):
+        quant.RefinedHead(head, top=0)
+    with pytest.raises(ValueError, match="top=513"):
+        quant.RefinedHead(head, top=513)
