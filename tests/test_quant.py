@@ -346,3 +346,15 @@ def test_refined_head_recomputes_the_largest_logits_exactly():
         quant.RefinedHead(head, top=0)
     with pytest.raises(ValueError, match="top=513"):
         quant.RefinedHead(head, top=513)
+
+
+@pytest.mark.parametrize("n,k", [(49152, 64), (1024, 8), (1000, 5), (256, 4)])
+def test_top_indices_finds_the_same_set_as_topk(n, k):
+    from llmlab.quant.linear import top_indices
+    g = torch.Generator().manual_seed(n + k)
+    y = torch.randn(3, n, generator=g)
+    y[1, :k] += 10                                   # the k largest crowded in one block
+    got = top_indices(y, k)
+    want = y.topk(k, dim=-1).indices
+    for r in range(3):
+        assert sorted(got[r].tolist()) == sorted(want[r].tolist())
