@@ -136,7 +136,7 @@ def plot_step_breakdown(rows: list[dict], llama_cpp_ms: float | None = None, ax=
     "outside matmuls ms", "matmuls ms", "roof ms"}).
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.4), dpi=80)
+        _, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 2.2), dpi=80)
     names = [r["scheme"] for r in rows]
     y = np.arange(len(rows))[::-1]
     rest = np.array([r["outside matmuls ms"] for r in rows])
@@ -150,5 +150,6 @@ def plot_step_breakdown(rows: list[dict], llama_cpp_ms: float | None = None, ax=
         ax.axvline(llama_cpp_ms, color="C3", ls="--", label="llama.cpp Q4_1, whole step")
     ax.set_yticks(y, names)
     ax.set_xlabel("milliseconds per decode step (batch 1)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    ax.figure.tight_layout()
     return ax
