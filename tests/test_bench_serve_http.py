@@ -129,3 +129,16 @@ def test_request_bodies_cap_the_trace_outputs():
     assert [b["max_tokens"] for b in bodies] == [min(r.output_tokens, 10) for r in trace]
     assert all(b["temperature"] == 0 and b["ignore_eos"] for b in bodies)
     assert [b["prompt"] for b in bodies] == [r.prompt for r in trace]
+
+
+def test_sustained_by_target_reads_every_target_and_leaves_undefined_ratios_undefined():
+    from llmlab.bench.serve_http import sustained_by_target
+    rows = [{"scheduler": "continuous", "rate": r, "ttft_p90_s": t, "lost": 0}
+            for r, t in ((1, 0.3), (2, 0.6), (4, 1.5))]
+    rows += [{"scheduler": "static", "rate": r, "ttft_p90_s": t, "lost": 0}
+             for r, t in ((1, 1.2), (2, 3.0), (4, 9.0))]
+    got = sustained_by_target(rows, ("continuous", "static"), (2.0, 0.5, 1.0, 2.0))
+    assert [g["p90 TTFT target s"] for g in got] == [0.5, 1.0, 2.0]
+    assert [g["continuous req/s"] for g in got] == [1, 2, 4]
+    assert [g["static req/s"] for g in got] == [0.0, 0.0, 1]
+    assert got[0]["continuous / static"] is None and got[2]["continuous / static"] == 4.0
