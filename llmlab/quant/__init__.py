@@ -24,7 +24,7 @@ per-row int8 kernel's speed, about twice as fast as the float32 head (one thread
 
 ``exact_top=64`` (the default) wraps the head in :class:`RefinedHead`, which recomputes the
 64 largest logits of each position in float32 from the head's exact rows: int4 with the
-Q8_0 head then gives 3.3e-4 instead of 8.1e-4, for about 0.3 ms per decode step.
+Q8_0 head then gives 3.3e-4 instead of 8.1e-4, for about 0.2-0.3 ms per decode step.
 
 The ``"int8"`` scheme keeps its definition (one scale per output channel) and with it a
 larger error: the per-row int8 linears alone give a KLD of 3.3e-3 (the q/k/v and down

@@ -406,7 +406,7 @@ class RefinedHead(nn.Module):
     dequantized rows of ``head`` (``top`` × hidden multiply-adds, negligible next to
     vocab × hidden). The rest keep the kernel's values. Over the first 1,024 tokens of
     notebook 08's text this takes the int4 model's KLD against float32 from 8.1e-4 to
-    3.3e-4 nats/token (top 64), for about 0.4 ms per decode step on a 2-core CPU.
+    3.3e-4 nats/token (top 64), for about 0.2-0.3 ms per decode step on a 2-core CPU.
 
     x [..., hidden] -> logits [..., vocab] float32.
     """
