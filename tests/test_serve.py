@@ -342,3 +342,26 @@ def test_penalties_and_logprobs_pass_through_to_the_engine(tiny, tiny_model):
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+
+
+def test_a_served_llm_refuses_offline_calls_until_the_server_stops(tiny_model):
+    from llmlab.serve.loop import EngineLoop
+    model, tok = tiny_model
+    llm = LLM(model, tok, block_size=4)
+    loop = EngineLoop(llm)
+    loop.start()
+    try:
+        with pytest.raises(RuntimeError, match="being served"):
+            llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(RuntimeError, match="being served"):
+            next(llm.stream("hello", SamplingParams(max_tokens=2)))
+        with pytest.raises(RuntimeError, match="being served"):
+            llm.beam_search("hello", 2, 2)
+        with pytest.raises(RuntimeError, match="already served"):
+            EngineLoop(llm).start()
+    finally:
+        loop.stop()
+    assert llm.served_by is None
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -566,6 +566,7 @@ class LLM:
                 raise ValueError("pass tokenizer= for a model built by hand")
             tokenizer = llmlab.load_tokenizer(name)
         self.model, self.tokenizer = model, tokenizer
+        self.served_by = None      # the llmlab.serve EngineLoop stepping this engine, if any
         self.engine = LLMEngine(model, tokenizer, scheduler=scheduler, block_size=block_size,
                                 num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
@@ -603,7 +604,16 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return encoded
 
+    def _check_not_served(self) -> None:
+        """RuntimeError while a server's engine thread steps this engine: an offline call
+        from another thread would step it too, interleaved with the server's steps."""
+        if self.served_by is not None:       # set by EngineLoop.start, cleared as it ends
+            raise RuntimeError("this LLM is being served (llmlab.serve runs its engine in a "
+                               "background thread); send requests over HTTP, stop the "
+                               "server first, or use a second LLM for offline calls")
+
     def _submit(self, prompts, sampling_params, arrival_times) -> list[Request]:
+        self._check_not_served()
         encoded = self._encode_all(prompts)
         prompts = [text for text, _ in encoded]
         params = _as_params(sampling_params, len(prompts))
@@ -766,6 +776,7 @@ class LLM:
                                  "needs max_tokens (or a BeamSearchParams)")
             params = BeamSearchParams(params, max_tokens, ignore_eos, temperature,
                                       length_penalty)
+        self._check_not_served()
         encoded = self._encode_all(prompts)
         eng = self.engine
         eng.stats = EngineStats()

@@ -91,7 +91,14 @@ class EngineLoop:
 
     # -- called from the event loop ------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        if self.llm.served_by is not None:
+            raise RuntimeError("this LLM is already served by another EngineLoop")
+        self.llm.served_by = self          # its offline calls now refuse (LLM._check_not_served)
+        try:
+            self._thread.start()
+        except BaseException:
+            self.llm.served_by = None
+            raise
 
     @property
     def alive(self) -> bool:
@@ -151,6 +158,8 @@ class EngineLoop:
         finally:
             self._take_commands(refuse=True)
             self._fail_all("the server is shutting down", kind="error")
+            if self.llm.served_by is self:
+                self.llm.served_by = None
 
     def _post(self, h: Handle, event: Event) -> None:
         if h.closed:
