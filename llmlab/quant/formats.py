@@ -46,10 +46,16 @@ def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check_matrix(w)
     w = w.float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # an all-zero row
+    scale = int8_scale(w)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def int8_scale(w: torch.Tensor) -> torch.Tensor:
+    """The per-row scale of :func:`int8_quantize`: max|w_row| / 127, float32 [out] (an
+    all-zero row gets 1). GPTQ (:mod:`llmlab.quant.gptq`) keeps these scales."""
+    scale = w.float().abs().amax(dim=1) / 127.0
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

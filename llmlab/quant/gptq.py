@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .formats import int8_scale
+
 CALIBRATION_TEXT = Path(__file__).resolve().parents[2] / "data" / "text" / "calibration.txt"
 
 
@@ -134,12 +136,6 @@ def collect_hessians(model, token_ids, window: int = 512) -> dict[tuple[int, str
     return out
 
 
-def _int8_scale(w: torch.Tensor) -> torch.Tensor:
-    """The per-row scale of ``formats.int8_quantize``, exactly (an all-zero row gets 1)."""
-    scale = w.abs().amax(dim=1) / 127.0
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
 @torch.no_grad()
 def gptq_int8(w: torch.Tensor, H: torch.Tensor, damp: float = 0.01, block: int = 128,
               act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +169,7 @@ def gptq_int8(w: torch.Tensor, H: torch.Tensor, damp: float = 0.01, block: int =
         raise ValueError(f"act_order={act_order!r} must be True or False")
 
     w = w.detach().float()
-    scale = _int8_scale(w)
+    scale = int8_scale(w)
     W = w.clone()
     H = H.detach().to(device=w.device, dtype=torch.float64).clone()
     diag = H.diagonal()

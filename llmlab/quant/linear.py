@@ -93,8 +93,10 @@ class Int8Linear(QuantizedLinear):
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor):
-        super().__init__(weight.shape[1], weight.shape[0])
-        q, scale = formats.int8_quantize(weight)
+        self._store(*formats.int8_quantize(weight))
+
+    def _store(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        QuantizedLinear.__init__(self, q.shape[1], q.shape[0])
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
@@ -113,11 +115,7 @@ class Int8Linear(QuantizedLinear):
             raise ValueError(f"scale must be a floating-point vector [{q.shape[0]}] (one per "
                              f"output row of q); got {got}")
         layer = cls.__new__(cls)
-        QuantizedLinear.__init__(layer, q.shape[1], q.shape[0])
-        scale = scale.detach().float().contiguous()
-        layer.register_buffer("qweight", q.detach().contiguous())
-        layer.register_buffer("scale", scale)
-        layer.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        layer._store(q.detach().contiguous(), scale.detach().float().contiguous())
         return layer
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -366,10 +364,9 @@ class ProjectionSlice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.owner.part(self.index, x)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Called five times per layer and step: skip Module.__call__'s hook bookkeeping (a
-        # slice has no hooks; hooks on the fused layer, which does the work, still run).
-        return self.owner.part(self.index, x)
+    # Called five times per layer and step: skip Module.__call__'s hook bookkeeping (a slice
+    # has no hooks; hooks on the fused layer, which does the work, still run).
+    __call__ = forward
 
     def extra_repr(self) -> str:
         return f"part {self.index} of a shared projection, out_features={self.out_features}"

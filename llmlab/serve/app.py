@@ -109,10 +109,7 @@ class Server:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The chat template applied as :meth:`LLM.chat` applies it."""
-        msgs = [m.model_dump() for m in req.messages]
-        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                  tokenize=False)
-        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.llm.chat_prompt([m.model_dump() for m in req.messages])
 
     def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
         if isinstance(req.prompt, str):
