@@ -18,15 +18,12 @@ import functools
 
 import torch
 
-from . import choice_verdict, compare_tensors, exercise, first_token_difference, right, wrong
+from . import (_raises_not_implemented, choice_verdict, compare_tensors, exercise,
+               first_token_difference, right, wrong)
 from ..quant.formats import group_dequantize, group_quantize
 
 NB = "08_quantization"
 KLD_LIMIT = 1e-4          # nats/token: the checker's bar for 4-bit groups of 32 on SmolLM2
-
-
-def _raise(*args, **kwargs):
-    raise NotImplementedError("write this function")
 
 
 # ---- realistic mistakes -----------------------------------------------------------------
@@ -98,7 +95,7 @@ def _smollm2_and_reference():
 
 @exercise("nb08.group_quantize", notebook=NB, kind="build",
           title="group-wise asymmetric quantize / dequantize, run on every SmolLM2 layer",
-          solution=SOLUTION, placeholder=(_raise, _raise),
+          solution=SOLUTION, placeholder=(_raises_not_implemented, _raises_not_implemented),
           wrong_variants={
               "truncates instead of rounding": ((_quantize_truncates, group_dequantize),
                                                 ("round", "whole step")),

@@ -42,10 +42,6 @@ class RuleError(ValueError):
     """The student's rule returned something a step cannot emit."""
 
 
-def _raise(*args, **kwargs):
-    raise NotImplementedError("write this function")
-
-
 # ---- the reference and realistic mistakes -------------------------------------------------
 
 def reference_accept_reject(p, q, drafts, generator=None) -> list[int]:
@@ -282,7 +278,7 @@ def _check_in_generation(fn):
 
 @exercise("nb09.accept_reject", notebook=NB, kind="build",
           title="the accept/reject step of speculative sampling, inside real generation",
-          solution=reference_accept_reject, placeholder=_raise,
+          solution=reference_accept_reject,
           wrong_variants={
               "always accepts": (_always_accepts, ("probability 0",)),
               "accepts with p(d), ignoring q": (_accepts_with_p, ("min(1, p(d)/q(d))",)),
