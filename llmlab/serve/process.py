@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import atexit
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..parallel.group import free_port   # also the rendezvous port of notebook 07
 
 
 def start_server(model: str, scheduler: str, port: int, extra: list[str] = (),
