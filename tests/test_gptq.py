@@ -155,12 +155,16 @@ def test_quantize_options_are_checked(tiny, tiny_tok):
         llmlab.quantize(tiny, "int4", rounding="gptq", calibration=[1, 2, 3])
     with pytest.raises(ValueError, match="calibration token ids for model 'tiny-llama'"):
         llmlab.quantize(tiny, "int8", rounding="gptq")
-    with pytest.raises(ValueError, match="rounding='gptq' only"):
+    with pytest.raises(ValueError, match="rounding='gptq' or equalize=True only"):
         llmlab.quantize(tiny, "int8", calibration=[1, 2, 3])
     with pytest.raises(ValueError, match="token"):
         llmlab.quantize(tiny, "int8", rounding="gptq", calibration=[1, -4])
     with pytest.raises(ValueError, match="max_tokens=0"):
         gptq.calibration_token_ids(tiny_tok, 0)
+    with pytest.raises(ValueError, match="equalize=True is implemented for scheme 'int8' only"):
+        llmlab.quantize(tiny, "int4", equalize=True, calibration=[1, 2, 3])
+    with pytest.raises(ValueError, match="equalize=1 must be True or False"):
+        llmlab.quantize(tiny, "int8", equalize=1, calibration=[1, 2, 3])
 
 
 def test_from_codes_stores_the_codes_as_given():
