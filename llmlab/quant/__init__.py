@@ -217,11 +217,8 @@ def quantize(model: CausalLM, scheme: str, *, group_size: int = 32, lm_head: str
     ``data/text/calibration.txt`` (text SmolLM2-135M wrote; for ``smollm2-135m`` only).
     equalize: (``"int8"`` only) fold per-input-channel scales, chosen from the calibration
     text's input statistics, into the norms, v_proj and up_proj before quantizing
-    (:mod:`llmlab.quant.equalize`; AWQ's idea). Measured over the first 1,024 tokens of the
-    evaluation text, calibrated on ``data/text/calibration_prose.md`` (4,730 tokens of prose
-    written for the workbook): round-to-nearest 3.7e-3 → 1.7e-3 nats/token with
-    ``equalize=True``, 1.2e-3 with ``equalize=True, rounding="gptq"`` (kernels on; about a
-    minute on a 2-core CPU).
+    (:mod:`llmlab.quant.equalize`, with its measured KLDs; AWQ's idea; about a minute on a
+    2-core CPU).
     exact_top: recompute this many of the largest logits per position exactly in float32
     (:class:`RefinedHead`; 0: keep the head kernel's bfloat16 logits). No effect with
     ``lm_head="fp32"``.
@@ -241,7 +238,7 @@ def quantize(model: CausalLM, scheme: str, *, group_size: int = 32, lm_head: str
                          "equalize": equalize, "exact_top": exact_top if lm_head != "fp32" else 0}
     if equalize:                 # new norms / v / up weights; model's tensors untouched
         hessians = equalize_channels(new, hessians)
-    if rounding != "gptq":
+    if rounding == "rtn":        # equalize alone needed the statistics, not the rounding
         hessians = None
     for i, layer in enumerate(new.layers):
         for role in ("self_attn", "mlp"):

@@ -63,15 +63,18 @@ STEPS = 200          # Adam steps per group of layers (the objective is smooth i
 LR = 0.05
 
 
+def _log_error(a: torch.Tensor, h: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """log of the error model for |W| = a [rows, in], h [in] and log s [in]."""
+    return (a * log_s.exp()).amax(dim=1).pow(2).sum().log() + (h * (-2 * log_s).exp()).sum().log()
+
+
 def expected_rtn_error(weights: list[torch.Tensor], h: torch.Tensor,
                        s: torch.Tensor | None = None) -> torch.Tensor:
     """The error model above, up to a constant: (Σ_i max_j (|W_ij| s_j)²) · (Σ_j h_j / s_j²)
     over the rows of all ``weights`` (sharing one input), with h = diag(H) [in] and s [in]
     (None: all ones). A 0-dim tensor."""
-    a = torch.cat([w.abs() for w in weights])
-    if s is None:
-        s = torch.ones_like(h)
-    return (a * s).amax(dim=1).pow(2).sum() * (h / s.pow(2)).sum()
+    log_s = torch.zeros_like(h) if s is None else s.log()
+    return _log_error(torch.cat([w.abs() for w in weights]), h, log_s).exp()
 
 
 @torch.enable_grad()
@@ -94,9 +97,7 @@ def channel_scales(weights: list[torch.Tensor], h: torch.Tensor,
     log_p = torch.zeros(n, requires_grad=True)
     opt = torch.optim.Adam([log_p], lr=lr)
     for _ in range(steps):
-        log_s = log_p if index is None else log_p[index]
-        s = log_s.exp()
-        loss = (a * s).amax(dim=1).pow(2).sum().log() + (h * (-2 * log_s).exp()).sum().log()
+        loss = _log_error(a, h, log_p if index is None else log_p[index])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -172,7 +173,7 @@ def equalize(model, hessians: dict, steps: int = STEPS) -> dict:
             for m in mods:
                 _scale_columns(m, s)
             if isinstance(source, nn.Linear):          # v_proj / up_proj rows
-                _scale_rows(source, s[:source.out_features] if index is None
+                _scale_rows(source, s if index is None     # o: one scale per kv head row
                             else s.view(cfg.num_heads, d)[::group].reshape(-1))
             else:                                      # the RMSNorm before the group
                 _scale_norm(source, s)
