@@ -10,6 +10,7 @@ import llmlab
 from llmlab import quant
 from llmlab.models.registry import model_dir
 from llmlab.quant import eval as qeval
+from llmlab.kernels import cpu_gemv
 from llmlab.quant import formats
 
 SMOLLM2 = model_dir("smollm2-135m") / "model.safetensors"
@@ -160,21 +161,41 @@ def _layer(scheme: str, w: torch.Tensor) -> quant.QuantizedLinear:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 3])
 def test_packed_kernel_matches_dequantized_reference(scheme, rows):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.05
     layer = _layer(scheme, w)
     x = torch.randn(2, rows, 128)
     ref = torch.nn.functional.linear(x, layer.dequantized_weight())
-    with quant.use_kernels(True):
-        fast = layer(x)
-    assert layer.kernel_forward(x) is not None, "the packed kernel did not run"
-    # the kernel rounds activations (and the int4 scales) to bfloat16: ~3 significant digits
-    err = (fast - ref).abs().max().item()
-    assert err <= 1e-2 * ref.abs().max().item(), err
+    # PyTorch's packed kernels round activations (and scales) to bfloat16: ~3 digits
+    with quant.use_kernels("torch"):
+        assert layer.kernel_forward(x) is not None, "PyTorch's packed kernel did not run"
+        err = (layer(x) - ref).abs().max().item()
+        assert layer.rounds_activations(x)
+    assert 1e-5 * ref.abs().max().item() < err <= 1e-2 * ref.abs().max().item(), err
+    # the C decode kernels keep float32: the reference up to the order of the additions
+    if cpu_gemv.available():
+        with quant.use_kernels(True):
+            assert layer.kernel_forward(x) is not None, "the C kernel did not run"
+            assert not layer.rounds_activations(x)
+            err = (layer(x) - ref).abs().max().item()
+        assert err <= 1e-5 * ref.abs().max().item(), err
     with quant.use_kernels(False):
         assert torch.equal(layer(x), ref)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_many_rows_take_the_float32_reference(scheme):
+    # prefill: more rows than GEMV_MAX_ROWS are one dequantize and a float32 matmul
+    layer = _layer(scheme, torch.randn(64, 128) * 0.05)
+    x = torch.randn(1, quant.linear.GEMV_MAX_ROWS + 1, 128)
+    with quant.use_kernels(True):
+        assert layer.kernel_forward(x) is None and not layer.rounds_activations(x)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight()))
+    with pytest.raises(ValueError, match="use_kernels\\('fast'\\)"):
+        with quant.use_kernels("fast"):
+            pass
 
 
 @pytest.mark.parametrize("scheme", ["int4", "q8_0", "int8"])
@@ -191,7 +212,7 @@ def test_q8_0_kernel_needs_the_signed_high_digit():
     w[:, ::3] = 0.25
     layer = quant.Q8_0Linear(w)
     x = torch.ones(1, 64)
-    with quant.use_kernels(True):
+    with quant.use_kernels("torch"):
         y = layer(x)
     assert torch.allclose(y, x @ w.T, rtol=1e-2), (y[0, :3], (x @ w.T)[0, :3])
 
@@ -334,7 +355,7 @@ def test_refined_head_recomputes_the_largest_logits_exactly():
     head = quant.Q8_0Linear(torch.randn(512, 64) * 0.05)
     refined = quant.RefinedHead(head, top=10)
     x = torch.randn(3, 2, 64) * 4
-    with torch.inference_mode():
+    with torch.inference_mode(), quant.use_kernels("torch"):
         fast, got = head(x), refined(x)
         exact = x @ head.dequantized_weight().T
     top = fast.topk(10, dim=-1).indices
@@ -342,6 +363,9 @@ def test_refined_head_recomputes_the_largest_logits_exactly():
     assert torch.allclose(got.gather(-1, top), exact.gather(-1, top), atol=1e-5)   # ...these are not
     rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, top, False)
     assert torch.equal(got[rest], fast[rest])           # the others keep the kernel's values
+    with torch.inference_mode(), quant.use_kernels(True):   # float32 kernels: nothing to fix
+        if not head.rounds_activations(x):
+            assert torch.equal(refined(x), head(x))
     with pytest.raises(ValueError, match="top=0"):
         quant.RefinedHead(head, top=0)
     with pytest.raises(ValueError, match="top=513"):

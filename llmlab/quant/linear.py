@@ -31,21 +31,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_gemv
 from . import formats
 
-_KERNELS = {"enabled": True}
-INT4_KERNEL_GROUPS = (32, 64, 128, 256)     # group sizes the CPU int4 kernel accepts
+_KERNELS = {"mode": "auto"}
+KERNEL_MODES = ("auto", "torch", "off")
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)     # group sizes PyTorch's CPU int4 kernel accepts
+GEMV_MAX_ROWS = 8     # up to this many rows (decode) the C kernels run; more: dequantize + matmul
 
 
 @contextlib.contextmanager
-def use_kernels(enabled: bool = True):
-    """Within the block, quantized layers use the packed kernels (True) or the reference."""
-    old = _KERNELS["enabled"]
-    _KERNELS["enabled"] = bool(enabled)
+def use_kernels(enabled: bool | str = True):
+    """Within the block, quantized layers on the CPU take these paths:
+
+    * ``True`` or ``"auto"`` (the default outside any block): up to ``GEMV_MAX_ROWS`` rows,
+      the C decode kernels (float32 activations, :mod:`llmlab.kernels.cpu_gemv`), or
+      PyTorch's packed kernels where no C compiler is found; more rows (prefill), the
+      reference (dequantize, then a float32 matmul);
+    * ``"torch"``: PyTorch's packed kernels at every size (bfloat16 activations);
+    * ``False`` or ``"off"``: the reference everywhere.
+
+    On CUDA every mode but ``"off"`` runs the Triton kernel.
+    """
+    mode = {True: "auto", False: "off"}.get(enabled, enabled)
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"use_kernels({enabled!r}): allowed True, False or one of {list(KERNEL_MODES)}")
+    old = _KERNELS["mode"]
+    _KERNELS["mode"] = mode
     try:
         yield
     finally:
-        _KERNELS["enabled"] = old
+        _KERNELS["mode"] = old
+
+
+def _cpu_path(x: torch.Tensor) -> str:
+    """Which CPU path a quantized layer takes for x: "c" (the C decode kernels), "torch"
+    (PyTorch's packed kernels, bfloat16 activations) or "reference"."""
+    mode = _KERNELS["mode"]
+    if mode != "auto":
+        return "torch" if mode == "torch" else "reference"
+    if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:
+        return "reference"
+    if x.dtype is torch.float32 and x.is_contiguous() and cpu_gemv.available():
+        return "c"
+    return "torch"
 
 
 def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -72,12 +101,21 @@ class QuantizedLinear(nn.Module):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.dequantized_weight())
 
+    def rounds_activations(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` rounds x to 16 bits (PyTorch's packed CPU kernels, or a
+        16-bit x on CUDA). Where it does not, the output is the float32 product with the
+        dequantized weight, up to the order of the additions."""
+        if x.is_cuda:
+            return x.dtype is not torch.float32 and _KERNELS["mode"] != "off"
+        return _cpu_path(x) == "torch"
+
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The packed kernel's answer, or None where it does not apply."""
+        """A kernel's answer (the C decode kernel, PyTorch's packed kernel or, on CUDA,
+        Triton's; see :func:`use_kernels`), or None where the reference is the path."""
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _KERNELS["enabled"] and x.device.type in ("cpu", "cuda"):   # CUDA: the Triton kernel
+        if _KERNELS["mode"] != "off" and x.device.type in ("cpu", "cuda"):   # CUDA: Triton
             y = self.kernel_forward(x)
             if y is not None:
                 return y
@@ -99,7 +137,10 @@ class Int8Linear(QuantizedLinear):
         QuantizedLinear.__init__(self, q.shape[1], q.shape[0])
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        # the kernel's own scales are bfloat16 (8 significant bits): give it ones and apply
+        # the float32 scales to its output instead (one multiply that also widens it)
+        self.register_buffer("unit_bf16", torch.ones_like(scale, dtype=torch.bfloat16),
+                             persistent=False)
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Linear":
@@ -132,9 +173,15 @@ class Int8Linear(QuantizedLinear):
         if x.is_cuda:
             from ..kernels.quant_gemm import int8_gemm
             return int8_gemm(x, self.qweight, self.scale).float()
+        path = _cpu_path(x)
+        if path == "c":
+            b = self._buffers               # not Module.__getattr__: this runs 120 times a step
+            return cpu_gemv.int8_mm(x, b["qweight"], b["scale"])
+        if path == "reference":
+            return None
         x2, lead = _as_2d(x)
-        y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16)
-        return y.float().reshape(*lead, self.out_features)
+        y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.unit_bf16)
+        return torch.mul(y, self.scale).reshape(*lead, self.out_features)
 
 
 class GroupLinear(QuantizedLinear):
@@ -191,7 +238,11 @@ class GroupLinear(QuantizedLinear):
         if x.is_cuda:
             from ..kernels.quant_gemm import int4_gemm
             return int4_gemm(x, self.packed_codes, self.d, self.m, self.group_size).float()
-        if self.group_size not in INT4_KERNEL_GROUPS:
+        path = _cpu_path(x)
+        if path == "c" and self.group_size % 32 == 0:
+            b = self._buffers
+            return cpu_gemv.q4_mm(x, b["packed_codes"], b["d"], b["m"], self.group_size)
+        if path == "reference" or self.group_size not in INT4_KERNEL_GROUPS:
             return None
         if self._kernel_weight is None:
             self._build_kernel_weight()
@@ -246,6 +297,12 @@ class Q8_0Linear(QuantizedLinear):
     def kernel_forward(self, x):
         if x.is_cuda:
             return None
+        path = _cpu_path(x)
+        if path == "c":
+            b = self._buffers
+            return cpu_gemv.q8_0_mm(x, b["qweight"], b["d"])
+        if path == "reference":
+            return None
         if self._kernel_weight is None:
             self._build_kernel_weight()
         packed, sz = self._kernel_weight
@@ -293,6 +350,9 @@ class BF16Linear(QuantizedLinear):
 
     def kernel_forward(self, x):
         return F.linear(x.to(torch.bfloat16), self.wbf16).float()
+
+    def rounds_activations(self, x: torch.Tensor) -> bool:
+        return _KERNELS["mode"] != "off"
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.wbf16[ids].float()
@@ -419,6 +479,8 @@ class RefinedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.head(x)
+        if not self.head.rounds_activations(x):     # the head's logits are float32 already
+            return y
         x2, y2 = x.reshape(-1, self.in_features).float(), y.reshape(-1, self.out_features)
         for start in range(0, x2.shape[0], self.CHUNK):
             rows, xs = y2[start:start + self.CHUNK], x2[start:start + self.CHUNK]

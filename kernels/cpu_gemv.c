@@ -1,0 +1,292 @@
+/* Weight-only quantized matrix-vector products for the CPU, float32 activations.
+ *
+ * y[m, n] = sum_k W[n, k] * x[m, k] for a few rows m (decode: one row per sequence), where
+ * W is stored quantized and widened to float32 in registers, never in memory. A decode
+ * step reads every weight once, so its time is the bytes read; these loops read the
+ * small codes and do exact float32 arithmetic on them (no rounding of x or of the
+ * scales), so the answer is the float32 product with the dequantized weight, up to the
+ * order of the additions.
+ *
+ * Layouts (all row-major and contiguous; x [M, K] float32, y [M, N] float32):
+ *   int8  q [N, K] int8, scale [N] float32:            W[n,k] = q[n,k] * scale[n]
+ *   q4    packed [N, K/2] uint8, d, m [N, K/G] float16: byte j of a row holds the codes of
+ *         inputs 2j (low nibble) and 2j+1 (high nibble), codes in [0, 15];
+ *         W[n,k] = code[n,k] * d[n, k/G] + m[n, k/G]    (asymmetric groups of G inputs)
+ *         (llmlab.quant.linear.GroupLinear's own storage, so no second copy is made)
+ *   q8_0  q [N, K] int8, d [N, K/32] float16:          W[n,k] = q[n,k] * d[n, k/32]
+ *
+ * Limits: q4 needs G % 32 == 0 and K % G == 0; q8_0 needs K % 32 == 0; int8 takes any K.
+ * M is any size, but the loops are for small M: a tile of 4 weight rows is widened once per
+ * 2 rows of x (its bytes stay in L1 between passes, but the widening is redone), so for
+ * large M a blocked GEMM on a dequantized copy is faster.
+ *
+ * How: the inner step takes 16 weights of each of NR = 4 rows, widens them to float32
+ * (int8: sign-extend and convert; q8_0: the same times the block's d; q4: zero-extend 8
+ * bytes, split the nibbles, code*d + m in one FMA) and multiply-adds them into NR x MT
+ * accumulators of 8 lanes. The 16 codes of 8 q4 bytes come out as inputs 0,2,..,14 then
+ * 1,3,..,15, so x is first copied with each run of 16 inputs reordered the same way. For
+ * one row of x (decode) each accumulator is split in two, so that 8 chains of FMAs are in
+ * flight: one chain waits for its FMA's latency, eight keep both FMA units busy.
+ *
+ * Vector path: AVX2 + FMA + F16C (8 float32 lanes) when the compiler targets them (it is
+ * built with -march=native on the machine that runs it); otherwise plain C loops.
+ * Threads: OpenMP over blocks of output rows, nthreads given by the caller.
+ * Taught in notebook 08.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LLMLAB_AVX2 1
+#include <immintrin.h>
+#endif
+
+
+static float half_to_float(uint16_t h) {
+#ifdef LLMLAB_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {                                  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#ifdef LLMLAB_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define NR 4            /* weight rows per tile */
+#define PREFETCH_TILES 4 /* how far ahead prefetch_rows reads */
+#define NBLOCK 16       /* output rows per unit of parallel work (a multiple of NR) */
+#define AI static inline __attribute__((always_inline))
+
+enum { FMT_INT8 = 0, FMT_Q4 = 1, FMT_Q8_0 = 2 };
+
+typedef struct {        /* one quantized weight matrix and its input */
+    const float *x;     /* [M, K], reordered per 16 for q4 */
+    const uint8_t *w;   /* codes, row_bytes per row */
+    const uint16_t *d, *m;  /* float16 [N, K/G] (q4: step and minimum; q8_0: step, G = 32) */
+    const float *scale; /* int8: [N] */
+    const float *xs;    /* q4: [M, K/G], the sum of x over each group */
+    float *y;           /* [M, N] */
+    int M, N, K, G, fmt;
+    size_t row_bytes, groups;
+} gemv_t;
+
+#ifdef LLMLAB_AVX2
+/* the codes of 16 weights [k, k+16) of one row as two vectors of 8 float32 (q4: in the
+ * reordered input order); the group's d and m are applied by the caller, once per group */
+AI void load_unit(int fmt, const uint8_t *row, int k, __m256 *w0, __m256 *w1) {
+    if (fmt == FMT_Q4) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k / 2)));
+        *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    } else {
+        const int8_t *p = (const int8_t *)row + k;
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    }
+}
+#endif
+
+/* one dequantized weight (int8: the code; the scalar tail and the plain-C path);
+ * for q4, k is in the reordered order */
+AI float weight_at(int fmt, const uint8_t *row, const uint16_t *d, const uint16_t *m, int G, int k) {
+    if (fmt == FMT_Q4) {
+        int base = k & ~15, j = k & 15;           /* reordered: j < 8 low nibbles, else high */
+        uint8_t b = row[base / 2 + (j & 7)];
+        int code = j < 8 ? (b & 15) : (b >> 4);
+        return code * half_to_float(d[k / G]) + half_to_float(m[k / G]);
+    }
+    float q = (float)((const int8_t *)row)[k];
+    return fmt == FMT_Q8_0 ? q * half_to_float(d[k / 32]) : q;
+}
+
+/* y[m0 + r, n0 + j] for j < nr, r < mt: rows n0.. of W times rows m0.. of x.
+ * Per group: ga = sum over the group of code * x; then acc += d * ga, and (q4) the
+ * group's m * (sum of x over the group), from xs. int8 is one group (its scale is per
+ * row, applied at the end). */
+AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
+    const int K = g->K;
+    const float *x = g->x + (size_t)m0 * K;
+    float out[NR][2];
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < mt; r++) out[j][r] = 0.0f;
+    int k = 0;
+#ifdef LLMLAB_AVX2
+    const int K16 = K & ~15, G = fmt == FMT_INT8 ? K16 : gc ? gc : g->G;  /* gc: G known at compile time */
+    const int split = nr * mt <= 4;           /* two accumulators: 8 FMA chains */
+    __m256 acc[NR][2];
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < mt; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int k0 = 0; G > 0 && k0 < K16; k0 += G) {
+        __m256 ga[NR][2][2];
+        for (int j = 0; j < nr; j++)
+            for (int r = 0; r < mt; r++) ga[j][r][0] = ga[j][r][1] = _mm256_setzero_ps();
+        for (k = k0; k < k0 + G; k += 16) {
+            __m256 x0[2], x1[2];
+            for (int r = 0; r < mt; r++) {
+                x0[r] = _mm256_loadu_ps(x + (size_t)r * K + k);
+                x1[r] = _mm256_loadu_ps(x + (size_t)r * K + k + 8);
+            }
+            for (int j = 0; j < nr; j++) {
+                __m256 w0, w1;
+                load_unit(fmt, g->w + ((size_t)n0 + j) * g->row_bytes, k, &w0, &w1);
+                for (int r = 0; r < mt; r++) {
+                    ga[j][r][0] = _mm256_fmadd_ps(w0, x0[r], ga[j][r][0]);
+                    if (split) ga[j][r][1] = _mm256_fmadd_ps(w1, x1[r], ga[j][r][1]);
+                    else ga[j][r][0] = _mm256_fmadd_ps(w1, x1[r], ga[j][r][0]);
+                }
+            }
+        }
+        for (int j = 0; j < nr; j++) {
+            size_t gi = ((size_t)n0 + j) * g->groups + k0 / (G ? G : 1);
+            for (int r = 0; r < mt; r++) {
+                __m256 s = split ? _mm256_add_ps(ga[j][r][0], ga[j][r][1]) : ga[j][r][0];
+                if (fmt == FMT_INT8) acc[j][r] = s;
+                else acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(g->d[gi])), s, acc[j][r]);
+            }
+        }
+    }
+    if (fmt == FMT_Q4)                            /* sum over groups of m * (sum of x) */
+        for (int j = 0; j < nr; j++)
+            for (int r = 0; r < mt; r++) {
+                const uint16_t *mr = g->m + ((size_t)n0 + j) * g->groups;
+                const float *xs = g->xs + (size_t)(m0 + r) * g->groups;
+                __m256 t = _mm256_setzero_ps();
+                size_t i = 0;
+                for (; i + 8 <= g->groups; i += 8)
+                    t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + i))),
+                                        _mm256_loadu_ps(xs + i), t);
+                float ts = hsum8(t);
+                for (; i < g->groups; i++) ts += _cvtsh_ss(mr[i]) * xs[i];
+                out[j][r] += ts;
+            }
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < mt; r++) out[j][r] += hsum8(acc[j][r]);
+    k = K16;
+#endif
+    for (; k < K; k++)                            /* int8's tail, or every k in plain C */
+        for (int j = 0; j < nr; j++) {
+            size_t n = (size_t)n0 + j;
+            float w = weight_at(fmt, g->w + n * g->row_bytes, g->d + n * g->groups,
+                                g->m + n * g->groups, g->G, k);
+            for (int r = 0; r < mt; r++) out[j][r] += w * x[(size_t)r * K + k];
+        }
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < mt; r++) {
+            float v = out[j][r];
+            if (fmt == FMT_INT8) v *= g->scale[n0 + j];
+            g->y[(size_t)(m0 + r) * g->N + n0 + j] = v;
+        }
+}
+
+/* Call tile with compile-time nr and mt, so its accumulators stay in registers. */
+/* Ask for the codes of rows n .. n+NR-1 (a tile a few tiles ahead) before they are needed:
+ * each call reads a different matrix of 0.3-2 MB once, from DRAM, and the hardware
+ * prefetcher alone does not keep enough reads in flight. */
+AI void prefetch_rows(const gemv_t *g, int n) {
+#ifdef LLMLAB_AVX2
+    if (n >= g->N) return;
+    const char *p = (const char *)g->w + (size_t)n * g->row_bytes;
+    size_t len = (size_t)(g->N - n < NR ? g->N - n : NR) * g->row_bytes;
+    for (size_t o = 0; o < len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+    (void)g; (void)n;
+#endif
+}
+
+AI void tiles(const gemv_t *g, int fmt, int gc, int n0, int n1) {
+    for (int n = n0; n < n1; n += NR) {
+        int nr = n1 - n < NR ? n1 - n : NR;
+        int step = fmt == FMT_INT8 ? 2 : 1;      /* group formats: ga and acc per row */
+        prefetch_rows(g, n + PREFETCH_TILES * NR);
+        for (int m0 = 0; m0 < g->M; m0 += step) {
+            int two = step == 2 && g->M - m0 >= 2;
+            if (nr == NR) { if (two) tile(g, fmt, gc, n, m0, NR, 2); else tile(g, fmt, gc, n, m0, NR, 1); }
+            else for (int j = 0; j < nr; j++) {
+                if (two) tile(g, fmt, gc, n + j, m0, 1, 2); else tile(g, fmt, gc, n + j, m0, 1, 1);
+            }
+        }
+    }
+}
+
+static void run(const gemv_t *g, int nthreads) {
+    int nb = (g->N + NBLOCK - 1) / NBLOCK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int b = 0; b < nb; b++) {
+        int n0 = b * NBLOCK, n1 = n0 + NBLOCK < g->N ? n0 + NBLOCK : g->N;
+        switch (g->fmt) {                         /* one specialised copy per format */
+        case FMT_Q4:
+            if (g->G == 32) tiles(g, FMT_Q4, 32, n0, n1);     /* Q4_1 and the default int4 */
+            else tiles(g, FMT_Q4, 0, n0, n1);
+            break;
+        case FMT_Q8_0: tiles(g, FMT_Q8_0, 32, n0, n1); break;
+        default: tiles(g, FMT_INT8, 0, n0, n1);
+        }
+    }
+}
+
+void llmlab_int8_gemv(const float *x, const int8_t *q, const float *scale, float *y,
+                      int M, int N, int K, int nthreads) {
+    static const uint16_t none = 0;
+    gemv_t g = {x, (const uint8_t *)q, &none, &none, scale, 0, y, M, N, K, 1, FMT_INT8, (size_t)K, 0};
+    run(&g, nthreads);
+}
+
+int llmlab_q4_gemv(const float *x, const uint8_t *packed, const uint16_t *d, const uint16_t *mn,
+                   float *y, int M, int N, int K, int G, int nthreads) {
+    if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
+    int ng = K / G;
+    float *xe = malloc(sizeof(float) * (size_t)M * K), *xs = malloc(sizeof(float) * (size_t)M * ng);
+    if (!xe || !xs) { free(xe); free(xs); return -2; }
+    for (size_t i = 0; i < (size_t)M * K; i += 16)  /* each run of 16: evens, then odds */
+        for (int j = 0; j < 8; j++) {
+            xe[i + j] = x[i + 2 * j];
+            xe[i + 8 + j] = x[i + 2 * j + 1];
+        }
+    for (size_t i = 0; i < (size_t)M * ng; i++) {
+        float t = 0.0f;
+        for (int j = 0; j < G; j++) t += x[i * G + j];
+        xs[i] = t;
+    }
+    gemv_t g = {xe, packed, d, mn, 0, xs, y, M, N, K, G, FMT_Q4, (size_t)K / 2, (size_t)ng};
+    run(&g, nthreads);
+    free(xe);
+    free(xs);
+    return 0;
+}
+
+int llmlab_q8_0_gemv(const float *x, const int8_t *q, const uint16_t *d, float *y,
+                     int M, int N, int K, int nthreads) {
+    if (K % 32 != 0) return -1;
+    gemv_t g = {x, (const uint8_t *)q, d, d, 0, 0, y, M, N, K, 32, FMT_Q8_0, (size_t)K, (size_t)K / 32};
+    run(&g, nthreads);
+    return 0;
+}
+
+/* which path this build took: 8 = AVX2/FMA/F16C lanes, 1 = plain C */
+int llmlab_vector_width(void) {
+#ifdef LLMLAB_AVX2
+    return 8;
+#else
+    return 1;
+#endif
+}

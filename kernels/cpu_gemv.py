@@ -1,0 +1,203 @@
+"""CPU matrix-vector products on quantized weights with float32 activations (decode).
+
+The C source is ``cpu_gemv.c`` beside this file; its header states the layouts and limits.
+PyTorch's packed CPU kernels (``torch._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+take bfloat16 activations, and they are fast only on CPUs with bfloat16 instructions
+(AVX512-BF16 or AMX); these loops keep x in float32, widen the codes in registers (AVX2 +
+FMA, or plain C elsewhere), and give the float32 product with the dequantized weight up to
+the order of the additions, on any x86-64 or ARM machine with a C compiler.
+
+Built on first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``), as
+``-O3 -march=native -fopenmp``, into ``$LLMLAB_CACHE`` (default ``~/.cache/llmlab``) under a
+name keyed by the source, the compiler and the CPU, then loaded with ctypes. OpenMP binds
+to the runtime torch has already loaded, so these loops share torch's threads
+(``torch.get_num_threads()``). Where no compiler works, :func:`available` is False and
+the callers keep PyTorch's kernels. ``LLMLAB_CPU_GEMV=0`` turns the kernels off.
+
+    x [M, K] float32 (any M; meant for M <= 8)  ->  y [M, N] float32
+
+Taught in notebook 08.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+_LIB: dict[str, object] = {}        # "lib": the loaded library or None, "error": why not
+
+
+def _cpu_id() -> str:
+    """What the -march=native build depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + version.encode() + _cpu_id().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("LLMLAB_CACHE", Path.home() / ".cache" / "llmlab"))
+    out = cache / f"cpu_gemv-{key}.so"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in (["-fopenmp"], []):               # without OpenMP (e.g. Apple clang): 1 thread
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", *flags, str(SOURCE), "-o", tmp]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode == 0:
+            os.replace(tmp, out)                    # atomic: a concurrent build is harmless
+            return out
+        os.unlink(tmp)
+        errors.append(f"{' '.join(cmd)}: {run.stderr.strip()[-500:]}")
+    raise RuntimeError("\n".join(errors))
+
+
+def _load():
+    if "lib" in _LIB:
+        return _LIB["lib"]
+    _LIB["lib"], _LIB["error"] = None, None
+    if os.environ.get("LLMLAB_CPU_GEMV", "1") == "0":
+        _LIB["error"] = "turned off by LLMLAB_CPU_GEMV=0"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _LIB["error"] = "no C compiler found ($CC, cc, gcc or clang)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError) as e:
+        _LIB["error"] = f"could not build or load {SOURCE.name}: {e}"
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.llmlab_int8_gemv.argtypes = [p, p, p, p, i, i, i, i]
+    lib.llmlab_int8_gemv.restype = None
+    lib.llmlab_q4_gemv.argtypes = [p, p, p, p, p, i, i, i, i, i]
+    lib.llmlab_q4_gemv.restype = i
+    lib.llmlab_q8_0_gemv.argtypes = [p, p, p, p, i, i, i, i]
+    lib.llmlab_q8_0_gemv.restype = i
+    lib.llmlab_vector_width.restype = i
+    _LIB["lib"] = lib
+    return lib
+
+
+def available() -> bool:
+    """True when the C kernels are built and loaded on this machine."""
+    return _load() is not None
+
+
+def describe() -> str:
+    """One line: which build runs here, or why none does."""
+    lib = _load()
+    if lib is None:
+        return f"CPU GEMV kernels unavailable ({_LIB['error']})"
+    width = lib.llmlab_vector_width()
+    return f"CPU GEMV kernels: {'AVX2+FMA, 8 float32 lanes' if width == 8 else 'plain C loops'}"
+
+
+def _check(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU matrix [M, {k}]; got {x.device.type} {tuple(x.shape)}")
+    if _load() is None:
+        raise RuntimeError(describe())
+    return x.float().contiguous()
+
+
+def _contiguous(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if not t.is_contiguous():
+            raise ValueError("quantized weights must be contiguous")
+
+
+# The unchecked calls, for the layers of llmlab.quant.linear, which hold valid contiguous
+# weights and pass x float32 and contiguous with any leading dims ([..., K] is read as
+# [M, K]); y gets x's leading dims. A decode step makes about 120 of these calls, so they
+# only allocate y and call C.
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    y = torch.empty(x.shape[:-1] + (n,))
+    _LIB["lib"].llmlab_int8_gemv(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                                 x.numel() // k, n, k, torch.get_num_threads())
+    return y
+
+
+def q4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+          group_size: int) -> torch.Tensor:
+    n, k = packed.shape[0], packed.shape[1] * 2
+    y = torch.empty(x.shape[:-1] + (n,))
+    rc = _LIB["lib"].llmlab_q4_gemv(x.data_ptr(), packed.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                    y.data_ptr(), x.numel() // k, n, k, group_size,
+                                    torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"q4 gemv: no memory for the reordered input ({tuple(x.shape)})")
+    return y
+
+
+def q8_0_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    y = torch.empty(x.shape[:-1] + (n,))
+    _LIB["lib"].llmlab_q8_0_gemv(x.data_ptr(), q.data_ptr(), d.data_ptr(), y.data_ptr(),
+                                 x.numel() // k, n, k, torch.get_num_threads())
+    return y
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x · (q · scale[:, None])ᵀ; q [N, K] int8, scale [N] float32."""
+    x = _check(x, q.shape[1])
+    _contiguous(q, scale)
+    if q.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
+        raise ValueError(f"q must be int8 [N, K] and scale float32 [N]; got {q.dtype}, "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    return int8_mm(x, q, scale)
+
+
+def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+            group_size: int) -> torch.Tensor:
+    """y = x · Wᵀ with W[n, k] = code[n, k] · d[n, g] + m[n, g], g = k // group_size;
+    packed [N, K/2] uint8 (code 2j low nibble, 2j+1 high), d and m [N, K/group_size] float16.
+    group_size must be a multiple of 32 dividing K."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x = _check(x, k)
+    _contiguous(packed, d, m)
+    if group_size <= 0 or group_size % 32 or k % group_size:
+        raise ValueError(f"group_size={group_size} must be a multiple of 32 that divides K={k}")
+    if d.dtype != torch.float16 or m.dtype != torch.float16 or d.shape != (n, k // group_size) \
+            or m.shape != d.shape or packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8 [{n}, {k // 2}] and d, m float16 "
+                         f"[{n}, {k // group_size}]; got {packed.dtype}, {d.dtype} "
+                         f"{tuple(d.shape)}, {m.dtype} {tuple(m.shape)}")
+    return q4_mm(x, packed, d, m, group_size)
+
+
+def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """y = x · Wᵀ with W[n, k] = q[n, k] · d[n, k // 32]; q [N, K] int8, d [N, K/32] float16."""
+    n, k = q.shape
+    x = _check(x, k)
+    _contiguous(q, d)
+    if k % 32 or q.dtype != torch.int8 or d.dtype != torch.float16 or d.shape != (n, k // 32):
+        raise ValueError(f"Q8_0 needs int8 q with K % 32 == 0 and d float16 [{n}, {k // 32}]; "
+                         f"got K={k}, {q.dtype}, {d.dtype} {tuple(d.shape)}")
+    return q8_0_mm(x, q, d)

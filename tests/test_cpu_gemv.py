@@ -1,0 +1,107 @@
+"""llmlab.kernels.cpu_gemv: the C decode kernels against the dequantize-then-matmul reference,
+at ragged sizes, several row counts and thread counts; a wrong layout is caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmlab.kernels import cpu_gemv
+from llmlab.quant import formats
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler: "
+                                "the layers keep PyTorch's kernels")
+
+ROWS = [1, 2, 3, 4, 5, 8, 9]
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def test_the_build_says_what_runs_here():
+    line = cpu_gemv.describe()
+    assert "AVX2" in line or "plain C" in line, line
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n, k", [(37, 40), (64, 576), (17, 7), (130, 1536)])
+def test_int8_matches_the_dequantized_matmul(m, n, k, threads):
+    g = torch.Generator().manual_seed(n * k + m)
+    w = torch.randn(n, k, generator=g)
+    q, scale = formats.int8_quantize(w)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ formats.int8_dequantize(q, scale).double().T
+    y = cpu_gemv.int8_gemv(x, q, scale)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
+
+
+def test_int8_is_exact_on_integers():
+    # small integers: every product and partial sum is exact in float32, so any order of the
+    # additions gives the same bits; a kernel that drops the tail (K % 16) or a row is off
+    q = torch.randint(-127, 128, (23, 45), dtype=torch.int8)
+    scale = torch.ones(23)
+    x = torch.randint(-3, 4, (5, 45)).float()
+    assert torch.equal(cpu_gemv.int8_gemv(x, q, scale), x @ q.float().T)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n", [19, 96])
+def test_q4_matches_the_dequantized_matmul(m, group, n, threads):
+    k = 2 * 128 + (128 if group == 128 else 64)                 # several groups, K % 128 != 0
+    g = torch.Generator().manual_seed(group + n + m)
+    w = torch.randn(n, k, generator=g)
+    codes, d, mn = formats.group_quantize(w, bits=4, group_size=group)
+    d, mn = d.half(), mn.half()
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ formats.group_dequantize(codes, d, mn).double().T
+    y = cpu_gemv.q4_gemv(x, packed, d, mn, group)
+    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
+
+
+def test_q4_nibble_order_is_checked():
+    # the same codes packed high-nibble-first (a plausible wrong layout) must not match
+    k, n = 64, 8
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d, mn = torch.full((n, 2), 0.5).half(), torch.zeros(n, 2).half()
+    x = torch.randn(1, k)
+    ref = x @ formats.group_dequantize(codes, d, mn).T
+    right = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    wrong = codes[:, 1::2] | (codes[:, 0::2] << 4)
+    assert torch.allclose(cpu_gemv.q4_gemv(x, right, d, mn, 32), ref, atol=1e-4)
+    assert not torch.allclose(cpu_gemv.q4_gemv(x, wrong, d, mn, 32), ref, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n, k", [(33, 64), (100, 576)])
+def test_q8_0_matches_the_dequantized_matmul(m, n, k, threads):
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g)
+    q, d = formats.q8_0_quantize(w)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ formats.q8_0_dequantize(q, d).double().T
+    y = cpu_gemv.q8_0_gemv(x, q, d)
+    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
+
+
+def test_bad_shapes_are_refused_with_the_values():
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        cpu_gemv.int8_gemv(torch.zeros(1, 32), q, torch.ones(4))
+    packed = torch.zeros(4, 48, dtype=torch.uint8)                       # K = 96
+    d = torch.zeros(4, 2).half()
+    with pytest.raises(ValueError, match="group_size=48"):
+        cpu_gemv.q4_gemv(torch.zeros(1, 96), packed, d, d, 48)
+    with pytest.raises(ValueError, match="K % 32"):
+        cpu_gemv.q8_0_gemv(torch.zeros(1, 40), torch.zeros(4, 40, dtype=torch.int8),
+                           torch.zeros(4, 1).half())
