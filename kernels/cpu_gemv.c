@@ -73,7 +73,7 @@ static inline float hsum8(__m256 v) {
 #endif
 
 #define NR 4            /* weight rows per tile */
-#define PREFETCH_TILES 4 /* how far ahead prefetch_rows reads */
+#define PREFETCH_BYTES 8192 /* how far ahead of the tile prefetch_rows reads */
 #define NBLOCK 16       /* output rows per unit of parallel work (a multiple of NR) */
 #define AI static inline __attribute__((always_inline))
 
@@ -88,6 +88,7 @@ typedef struct {        /* one quantized weight matrix and its input */
     float *y;           /* [M, N] */
     int M, N, K, G, fmt;
     size_t row_bytes, groups;
+    int ahead;          /* rows between the tile and the rows prefetch_rows asks for */
 } gemv_t;
 
 #ifdef LLMLAB_AVX2
@@ -199,7 +200,7 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
 }
 
 /* Call tile with compile-time nr and mt, so its accumulators stay in registers. */
-/* Ask for the codes of rows n .. n+NR-1 (a tile a few tiles ahead) before they are needed:
+/* Ask for the codes of rows n .. n+NR-1 (PREFETCH_BYTES ahead) before they are needed:
  * each call reads a different matrix of 0.3-2 MB once, from DRAM, and the hardware
  * prefetcher alone does not keep enough reads in flight. */
 AI void prefetch_rows(const gemv_t *g, int n) {
@@ -217,7 +218,7 @@ AI void tiles(const gemv_t *g, int fmt, int gc, int n0, int n1) {
     for (int n = n0; n < n1; n += NR) {
         int nr = n1 - n < NR ? n1 - n : NR;
         int step = fmt == FMT_INT8 ? 2 : 1;      /* group formats: ga and acc per row */
-        prefetch_rows(g, n + PREFETCH_TILES * NR);
+        prefetch_rows(g, n + g->ahead);
         for (int m0 = 0; m0 < g->M; m0 += step) {
             int two = step == 2 && g->M - m0 >= 2;
             if (nr == NR) { if (two) tile(g, fmt, gc, n, m0, NR, 2); else tile(g, fmt, gc, n, m0, NR, 1); }
@@ -228,7 +229,9 @@ AI void tiles(const gemv_t *g, int fmt, int gc, int n0, int n1) {
     }
 }
 
-static void run(const gemv_t *g, int nthreads) {
+static void run(gemv_t *g, int nthreads) {
+    g->ahead = (int)((PREFETCH_BYTES / g->row_bytes + NR - 1) / NR * NR);
+    if (g->ahead < NR) g->ahead = NR;
     int nb = (g->N + NBLOCK - 1) / NBLOCK;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int b = 0; b < nb; b++) {
@@ -247,7 +250,7 @@ static void run(const gemv_t *g, int nthreads) {
 void llmlab_int8_gemv(const float *x, const int8_t *q, const float *scale, float *y,
                       int M, int N, int K, int nthreads) {
     static const uint16_t none = 0;
-    gemv_t g = {x, (const uint8_t *)q, &none, &none, scale, 0, y, M, N, K, 1, FMT_INT8, (size_t)K, 0};
+    gemv_t g = {x, (const uint8_t *)q, &none, &none, scale, 0, y, M, N, K, 1, FMT_INT8, (size_t)K, 0, 0};
     run(&g, nthreads);
 }
 
@@ -267,7 +270,7 @@ int llmlab_q4_gemv(const float *x, const uint8_t *packed, const uint16_t *d, con
         for (int j = 0; j < G; j++) t += x[i * G + j];
         xs[i] = t;
     }
-    gemv_t g = {xe, packed, d, mn, 0, xs, y, M, N, K, G, FMT_Q4, (size_t)K / 2, (size_t)ng};
+    gemv_t g = {xe, packed, d, mn, 0, xs, y, M, N, K, G, FMT_Q4, (size_t)K / 2, (size_t)ng, 0};
     run(&g, nthreads);
     free(xe);
     free(xs);
@@ -277,7 +280,7 @@ int llmlab_q4_gemv(const float *x, const uint8_t *packed, const uint16_t *d, con
 int llmlab_q8_0_gemv(const float *x, const int8_t *q, const uint16_t *d, float *y,
                      int M, int N, int K, int nthreads) {
     if (K % 32 != 0) return -1;
-    gemv_t g = {x, (const uint8_t *)q, d, d, 0, 0, y, M, N, K, 32, FMT_Q8_0, (size_t)K, (size_t)K / 32};
+    gemv_t g = {x, (const uint8_t *)q, d, d, 0, 0, y, M, N, K, 32, FMT_Q8_0, (size_t)K, (size_t)K / 32, 0};
     run(&g, nthreads);
     return 0;
 }

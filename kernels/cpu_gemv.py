@@ -52,10 +52,13 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, native: bool = True) -> Path:
+    """The shared library, compiled once per source, compiler and CPU. ``native=False``
+    builds for the generic target (no AVX2 on x86-64: the plain C loops), for tests."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + version.encode() + _cpu_id().encode()).hexdigest()[:16]
+    arch = ["-march=native"] if native else []
+    key = hashlib.sha256(src + version.encode() + _cpu_id().encode() + bytes(native)).hexdigest()[:16]
     cache = Path(os.environ.get("LLMLAB_CACHE", Path.home() / ".cache" / "llmlab"))
     out = cache / f"cpu_gemv-{key}.so"
     if out.exists():
@@ -65,7 +68,7 @@ def _build(cc: str) -> Path:
     for flags in (["-fopenmp"], []):               # without OpenMP (e.g. Apple clang): 1 thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", *flags, str(SOURCE), "-o", tmp]
+        cmd = [cc, "-O3", *arch, "-shared", "-fPIC", *flags, str(SOURCE), "-o", tmp]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode == 0:
             os.replace(tmp, out)                    # atomic: a concurrent build is harmless
@@ -87,10 +90,14 @@ def _load():
         _LIB["error"] = "no C compiler found ($CC, cc, gcc or clang)"
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        _LIB["lib"] = _open(_build(cc))
     except (OSError, RuntimeError) as e:
         _LIB["error"] = f"could not build or load {SOURCE.name}: {e}"
-        return None
+    return _LIB["lib"]
+
+
+def _open(path: Path):
+    lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.llmlab_int8_gemv.argtypes = [p, p, p, p, i, i, i, i]
     lib.llmlab_int8_gemv.restype = None
@@ -99,7 +106,6 @@ def _load():
     lib.llmlab_q8_0_gemv.argtypes = [p, p, p, p, i, i, i, i]
     lib.llmlab_q8_0_gemv.restype = i
     lib.llmlab_vector_width.restype = i
-    _LIB["lib"] = lib
     return lib
 
 

@@ -2,6 +2,8 @@
 at ragged sizes, several row counts and thread counts; a wrong layout is caught."""
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -105,3 +107,27 @@ def test_bad_shapes_are_refused_with_the_values():
     with pytest.raises(ValueError, match="K % 32"):
         cpu_gemv.q8_0_gemv(torch.zeros(1, 40), torch.zeros(4, 40, dtype=torch.int8),
                            torch.zeros(4, 1).half())
+
+
+def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
+    # the portable build (no -march=native: no AVX2 on x86-64) is what runs on other CPUs
+    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
+    lib = cpu_gemv._open(cpu_gemv._build(cpu_gemv._compiler(), native=False))
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(21, 96, generator=g), torch.randn(3, 96, generator=g)
+    q, scale = formats.int8_quantize(w)
+    codes, d, mn = formats.group_quantize(w, bits=4, group_size=32)
+    d, mn = d.half(), mn.half()
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    q8, d8 = formats.q8_0_quantize(w)
+    refs = [x @ formats.int8_dequantize(q, scale).T, x @ formats.group_dequantize(codes, d, mn).T,
+            x @ formats.q8_0_dequantize(q8, d8).T]
+    fast = [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
+            cpu_gemv.q8_0_mm(x, q8, d8)]
+    monkeypatch.setitem(cpu_gemv._LIB, "lib", lib)
+    if platform.machine() == "x86_64":
+        assert lib.llmlab_vector_width() == 1, "the portable build took the AVX2 path"
+    plain = [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
+             cpu_gemv.q8_0_mm(x, q8, d8)]
+    for name, ref, a, b in zip(["int8", "q4", "q8_0"], refs, fast, plain):
+        assert _rel(a, ref) < 1e-5 and _rel(b, ref) < 1e-5, name

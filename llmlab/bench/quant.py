@@ -228,8 +228,11 @@ def bench(new_tokens: int, repeats: int, quality_tokens: int, gguf: str | None,
         if scheme == "int8":       # the same format, codes chosen by GPTQ (about 25 s here)
             models["int8 gptq"] = llmlab.quantize(base, "int8", lm_head=lm_head, rounding="gptq")
     bw = measure_bandwidth()
+    from ..kernels import cpu_gemv
+
     print(f"   measured copy bandwidth: {bw / 1e9:.1f} GB/s; lm_head/embedding: {lm_head} in every "
-          "quantized scheme; q/k/v and gate/up fused; packed CPU kernels take bfloat16 activations")
+          f"quantized scheme; q/k/v and gate/up fused; {cpu_gemv.describe()} (float32 "
+          "activations) up to 8 rows, the float32 reference (dequantize + matmul) above")
     eval_ids = qeval.eval_token_ids(tok)
     prefill_ids = torch.tensor([(eval_ids * 2)[:PREFILL_LEN]])
     samples = _measure(models, tok, new_tokens, repeats, prefill_ids)

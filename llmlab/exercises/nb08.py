@@ -203,8 +203,8 @@ def _check_predict_int4_speedup(answer, measured: float | None = None) -> object
     if abs(answer - want) <= 0.3 * want:
         extra = "" if measured is None else \
             (f" The gap to the {bound:.1f}x bound: the work outside the matmuls, which "
-             "quantization does not shrink, and packed kernels that read their weights "
-             "below the copy bandwidth (the step breakdown below).")
+             "quantization does not shrink, and matrix-vector kernels that read their "
+             "small weights below the copy bandwidth (the step breakdown below).")
         return right(f"{answer:g}x is within 30% of {what} {want:.2f}x. {why}{extra}")
     if answer < want:
         return wrong(f"{answer:g}x is below {what} {want:.2f}x: {why}",

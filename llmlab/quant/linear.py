@@ -1,26 +1,29 @@
 """Quantized drop-in replacements for ``nn.Linear`` and the (tied) token embedding.
 
 Each layer stores its weight in a quantized format (:mod:`llmlab.quant.formats`) and has
-two forward paths with the same answer up to rounding:
+these forward paths, chosen per call (:func:`use_kernels`):
 
-* the **reference**: dequantize the whole weight to float32, then ``F.linear``. Clear, and
-  as slow as float32 (it even reads more bytes);
-* the **packed kernel** (CPU): PyTorch's weight-only kernels, which read the small weight
-  and widen it inside the matmul: ``torch._weight_int8pack_mm`` for int8 and
-  ``aten._weight_int4pack_mm_for_cpu`` for 4-bit groups. On this PyTorch build they are
-  fast only with bfloat16 activations (the float32 and float16 paths are slower than a
-  dense float32 matmul), so the layer rounds its input to bfloat16, runs the kernel and
-  widens the output back to float32. That extra rounding is part of what the quality
-  evaluation measures.
+* the **reference**: dequantize the whole weight to float32, then ``F.linear``. Clear; it
+  reads more bytes than float32 itself, so it is no help to decode, but for many rows
+  (prefill, the quality evaluation) it is a float32 GEMM plus one pass over the weight,
+  and that is what runs there;
+* the **C decode kernels** (CPU, up to ``GEMV_MAX_ROWS`` rows): :mod:`llmlab.kernels.cpu_gemv`
+  reads the small codes and widens them in registers, with float32 activations, so a decode
+  step reads 1 byte (int8) or about 0.6 (4-bit) per weight instead of 4, and its answer is
+  the reference's up to the order of the additions;
+* **PyTorch's packed kernels** (``torch._weight_int8pack_mm``,
+  ``aten._weight_int4pack_mm_for_cpu``): the fallback where no C compiler is found, and
+  ``use_kernels("torch")``. They take bfloat16 activations (their float32 paths are slower
+  than a dense float32 matmul) and are fast only on CPUs with bfloat16 instructions
+  (AVX512-BF16 or AMX); the layer rounds its input to bfloat16 and widens the output.
 
 On CUDA the int8 and 4-bit layers run the Triton dequantize-in-GEMM kernel instead
 (:mod:`llmlab.kernels.quant_gemm`, on the same stored codes and scales).
 
-``Q8_0Linear`` (GGUF's Q8_0, the shipped embedding's type) runs on the 4-bit kernel by
-writing each int8 code as two 4-bit digits. ``SharedProjection`` computes several
-projections of one input (q/k/v, gate/up) with one call.
+``Q8_0Linear`` is GGUF's Q8_0, the shipped embedding's type (for PyTorch's kernels it is
+written as two 4-bit digits per code). ``SharedProjection`` computes several projections
+of one input (q/k/v, gate/up) with one call.
 
-``use_kernels(False)`` switches every layer to the reference path (a context manager).
 Taught in notebook 08.
 """
 from __future__ import annotations
@@ -257,7 +260,8 @@ class Q8_0Linear(QuantizedLinear):
     """GGUF Q8_0: int8 codes with a float16 scale per block of 32 inputs (34 bytes per 32
     weights). SmolLM2's file stores the tied embedding in this type, so here it is exact.
 
-    PyTorch has no CPU kernel for block-scaled int8, so the kernel path writes every code
+    The C decode kernel reads this layout as it is. PyTorch has no CPU kernel for
+    block-scaled int8, so its path writes every code
     as two 4-bit digits, q = 16·hi + lo with hi in [-8, 7] and lo in [0, 15], and runs the
     4-bit group kernel once over [W_hi | W_lo] (scales 16·d and d) against [x | x]: the same
     weights, up to the kernel's bfloat16 scales, at 40 bytes per 32 weights read.
@@ -455,7 +459,7 @@ def top_indices(y: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
 class RefinedHead(nn.Module):
     """An output projection whose largest logits are recomputed exactly.
 
-    The packed CPU kernels round their input to bfloat16 and return bfloat16, whose 8-bit
+    PyTorch's packed CPU kernels round their input to bfloat16 and return bfloat16, whose 8-bit
     significand puts an error of up to 0.4% of its size on every logit (up to 0.03 on a
     logit of 12). Softmax turns a logit error into a probability error, and the few largest
     logits carry almost all the probability. So: compute all ``vocab`` logits with a fast
@@ -464,6 +468,8 @@ class RefinedHead(nn.Module):
     vocab × hidden). The rest keep the kernel's values. Over the first 1,024 tokens of
     notebook 08's text this takes the int4 model's KLD against float32 from 8.1e-4 to
     3.3e-4 nats/token (top 64), for about 0.2-0.3 ms per decode step on a 2-core CPU.
+    Where the head computes in float32 (the C decode kernels, the reference) there is
+    nothing to fix, and the head's logits are returned as they are.
 
     x [..., hidden] -> logits [..., vocab] float32.
     """

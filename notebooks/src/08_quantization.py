@@ -154,11 +154,19 @@ with safe_open(str(model_dir("smollm2-135m") / "model.safetensors"), "pt") as f:
 # whole by every decode step; the shipped file keeps it in GGUF's Q8_0 (int8 codes, a float16
 # scale per block of 32), and so does `quantize` by default (`lm_head="q8_0"`): exactly the
 # file's values, at a quarter of float32's bytes. (4 bits there lose far more than the file did;
-# `lm_head="int4"` lets you measure it.) The packed kernels take and return bfloat16, which
-# keeps 8 significant bits: a logit of 12 comes back up to 0.03 off. So `quantize` wraps the
-# head in `quant.RefinedHead`, which recomputes the 64 largest logits of every position in
-# float32 from the head's exact rows (`exact_top=64`); the third model below turns that off
-# (`exact_top=0`) to show what it buys.
+# `lm_head="int4"` lets you measure it.)
+#
+# Which kernel runs matters too. A decode step (a few rows) runs llmlab's C kernels
+# (`llmlab.kernels.cpu_gemv`): they read the small codes and widen them in registers, in
+# float32, so their answer is the dequantized model's up to the order of the additions. Many
+# rows (a prompt, or this evaluation) take one dequantize and a float32 matmul: the same
+# numbers. PyTorch also ships packed CPU kernels (`torch._weight_int8pack_mm`,
+# `torch.ops.aten._weight_int4pack_mm_for_cpu`), but they take and return bfloat16, which keeps
+# 8 significant bits: a logit of 12 comes back up to 0.03 off. The last two rows below run the
+# int4 model through them (`quant.use_kernels("torch")`), once as it is and once without
+# `quant.RefinedHead` (`exact_top=0`), the wrapper that recomputes the 64 largest logits of
+# every position in float32 from the head's exact rows, to show what the rounding costs and
+# what the refinement buys back.
 #
 # The quality measures, over the first tokens of a text written for the workbook
 # (`data/text/memory_hierarchy.md`): the KL divergence of the next-token distribution from
@@ -169,23 +177,30 @@ q8 = llmlab.quantize(model, "int8")
 q4 = llmlab.quantize(model, "int4", group_size=32)
 q4_rough_head = llmlab.quantize(model, "int4", group_size=32, exact_top=0)
 ids = qeval.eval_token_ids(tok, 96 if QUICK else 192)
-quality = qeval.compare_logits(model, {"int8": q8, "int4": q4, "int4, exact_top=0": q4_rough_head}, ids)
+quality = qeval.compare_logits(model, {"int8": q8, "int4": q4}, ids)
+with quant.use_kernels("torch"):                    # PyTorch's bfloat16 kernels
+    quality.update(qeval.compare_logits(
+        model, {"int4, bf16 kernels": q4, "int4, bf16, exact_top=0": q4_rough_head}, ids))
 ref_answers = qeval.greedy_answers(model, tok, qeval.CHAT_PROMPTS[:2], max_new_tokens=16)
 print(f"over {len(ids) - 1} tokens; fp32 perplexity {quality['int8'].ppl_ref:.2f}")
-for name, qm in (("int8", q8), ("int4", q4), ("int4, exact_top=0", q4_rough_head)):
+for name, qm in (("int8", q8), ("int4", q4), ("int4, bf16 kernels", q4),
+                 ("int4, bf16, exact_top=0", q4_rough_head)):
     r = quality[name]
-    g = qeval.greedy_agreement(ref_answers, qeval.greedy_answers(qm, tok, qeval.CHAT_PROMPTS[:2], 16))
-    print(f"{name:17s} {quant.weight_nbytes(qm) / 1e6:5.0f} MB  KLD {r.kld:.1e} nats/token  "
-          f"top-1 {r.top1:.1%}  ppl {r.ppl:.2f} ({r.ppl_delta:+.2f})  greedy tokens kept "
-          f"{g.fraction:.0%}")
-print(f"KLD int8 (per row) / KLD int4 (groups of 32) = {quality['int8'].kld / quality['int4'].kld:.1f}")
+    line = (f"{name:23s} {quant.weight_nbytes(qm) / 1e6:4.0f} MB  KLD {r.kld:.1e} nats/token  "
+            f"top-1 {r.top1:.1%}  ppl {r.ppl:.2f} ({r.ppl_delta:+.2f})")
+    if "bf16" not in name:
+        g = qeval.greedy_agreement(ref_answers, qeval.greedy_answers(qm, tok, qeval.CHAT_PROMPTS[:2], 16))
+        line += f"  greedy tokens kept {g.fraction:.0%}"
+    print(line)
 
 # %% [markdown]
 # Read the KLDs with the round trip in mind. The int4 linears reproduce the shipped weights
 # exactly (groups of 32 along the inputs, like Q4_1) and the Q8_0 head reproduces the shipped
-# table exactly, so int4's KLD comes only from the kernels rounding their inputs and outputs to
-# bfloat16. Without the refined head most of it is the last matmul's: logits are large, and a
-# softmax turns their absolute errors into probability errors.
+# table exactly, so the int4 model computed in float32 *is* the float model: its KLD is float32
+# rounding (the order of the additions), many orders of magnitude below int8's. Everything the
+# two bf16 rows add is the kernels rounding their inputs and outputs to bfloat16; without the
+# refined head most of it is the last matmul's: logits are large, and a softmax turns their
+# absolute errors into probability errors.
 # Greedy answers are fragile: one near-tie flipped early changes every later
 # token, which is why KLD and top-1 over a long text are the steadier measures. int8 with **one
 # scale per row** is *coarser* than the file's 4-bit blocks wherever a block's range is below
@@ -320,9 +335,10 @@ for r in rows[1:]:
 
 # %% [markdown]
 # Compare the decode and prefill ratios printed above. Weight-only quantization is meant for
-# the memory-bound phase; in the compute-bound one it saves bytes that were not the limit (and
-# the kernels add work there: they widen every weight again for every row of the prompt). `python -m llmlab.bench quant`
-# measures all four schemes at batch 1 and 8 on the whole evaluation text.
+# the memory-bound phase; in the compute-bound one it saves bytes that were not the limit (there
+# the quantized model dequantizes each matrix once and runs the float32 matmul: one extra pass
+# over the weights, small next to the prompt's FLOPs). `python -m llmlab.bench quant`
+# measures every scheme at batch 1 and 8 on the whole evaluation text.
 #
 # ## Where the time goes, and what llama.cpp does differently
 #
@@ -357,9 +373,10 @@ print(lc if isinstance(lc, str) else f"llama.cpp Q4_1: {lc_ms:.1f} ms a step ({l
 # %% [markdown]
 # Two things separate the int4 step from its roof. First, the time outside the matmuls is the
 # same for every scheme and is now a large share of a quantized step: quantization shrinks
-# only the matmuls, so the rest caps the speedup (Amdahl's law). Second, PyTorch's packed
-# kernels read their small weights well below the copy bandwidth at batch 1, where each call
-# is a short matrix–vector product. llama.cpp removes both: it builds the whole forward as one
+# only the matmuls, so the rest caps the speedup (Amdahl's law). Second, the matrix–vector
+# kernels read their small weights below the copy bandwidth (the percentages above): each call
+# is a short product over a matrix of 0.3-2 MB, and widening a 4-bit code to float32 takes
+# several vector instructions per 8 weights. llama.cpp removes both: it builds the whole forward as one
 # graph of C kernels, so there is no per-operation Python, and its CPU kernels for Q4_1 use the
 # vector units' integer dot products (the activations are rounded to 8-bit blocks first).
 # On a GPU the same two costs are what CUDA graphs and fused dequantize-in-GEMM kernels
@@ -425,7 +442,7 @@ exercises.check("nb08.q4_1_bytes_per_weight", answer)
 # ## Takeaways
 #
 # - Batch-1 decode in float32 is memory-bound, so fewer weight bytes speed it up; prefill is compute-bound and barely moves.
-# - Once the bytes shrink, the rest of the step (Python, small ops, attention) and the kernels' efficiency set the speed: about 5.6× fewer bytes gave about 2× here, and llama.cpp's whole step is shorter than our matmuls alone.
+# - Once the bytes shrink, the rest of the step (Python, small ops, attention) and the kernels' efficiency set the speed: the int4 speedup measured above is well below its bytes ratio.
 # - Where the scales sit matters as much as the bits: groups of 32 along the input dimension beat one scale per row.
 # - Rounding can be smarter than nearest: GPTQ keeps the format and lowers each layer's output error, far more on its calibration text than on other text.
 # - Measure quality as llama.cpp does (KLD, top-1, perplexity, greedy tokens) against the float model, on a fixed text.
