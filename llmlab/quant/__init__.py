@@ -214,7 +214,8 @@ def quantize(model: CausalLM, scheme: str, *, group_size: int = 32, lm_head: str
     (``"int8"`` only: the same scales, codes chosen by GPTQ to keep each layer's outputs
     close on calibration text; :mod:`llmlab.quant.gptq`). calibration: the token ids GPTQ
     runs the float model on; None means the first 2,048 tokens of
-    ``data/text/calibration.txt`` (text SmolLM2-135M wrote; for ``smollm2-135m`` only).
+    ``data/text/calibration_prose.md`` (prose written for the workbook; for
+    ``smollm2-135m`` only).
     equalize: (``"int8"`` only) fold per-input-channel scales, chosen from the calibration
     text's input statistics, into the norms, v_proj and up_proj before quantizing
     (:mod:`llmlab.quant.equalize`, with its measured KLDs; AWQ's idea; about a minute on a

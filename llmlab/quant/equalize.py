@@ -35,18 +35,9 @@ by the error model above, which needs only H's diagonal (each input channel's me
 
 Calibration: the scales need each input channel's mean square on typical text, so
 ``quantize(..., equalize=True)`` collects them on ``calibration`` token ids (default: the
-self-generated ``data/text/calibration.txt``). Well-formed prose calibrates better than the
-model's own samples; ``data/text/calibration_prose.md`` (written for the workbook, on topics
-unrelated to the evaluation text) is such a text::
-
-    text = Path("data/text/calibration_prose.md").read_text().split("\n", 2)[2]
-    q = llmlab.quantize(model, "int8", equalize=True, rounding="gptq",
-                        calibration=tokenizer(text)["input_ids"])
-
-Measured on SmolLM2-135M (first 1,024 tokens of the evaluation text, KLD against float32,
-kernels on, 2-core CPU): round-to-nearest 3.7e-3 nats/token; equalized 1.7e-3; equalized
-with GPTQ rounding 1.2e-3. With the reference path (float32 activations) the last is
-about 9e-4: the rest is the CPU kernel's bfloat16 activations, outputs and scales.
+first 2,048 tokens of ``data/text/calibration_prose.md``, prose written for the workbook on
+topics unrelated to the evaluation text). Measured KLDs are in ``llmlab.quant``'s docstring
+and ``python -m llmlab.bench quant``.
 
 Layouts: weights [out, in] (``nn.Linear.weight``); H float32 [in, in] (from
 :func:`llmlab.quant.gptq.collect_hessians`); s float32 [in]. Limits: dense llama-style
