@@ -24,9 +24,12 @@
  * (int8: sign-extend and convert; q8_0: the same times the block's d; q4: zero-extend 8
  * bytes, split the nibbles, code*d + m in one FMA) and multiply-adds them into NR x MT
  * accumulators of 8 lanes. The 16 codes of 8 q4 bytes come out as inputs 0,2,..,14 then
- * 1,3,..,15, so x is first copied with each run of 16 inputs reordered the same way. For
- * one row of x (decode) each accumulator is split in two, so that 8 chains of FMAs are in
- * flight: one chain waits for its FMA's latency, eight keep both FMA units busy.
+ * 1,3,..,15, so x is first copied with each run of 16 inputs reordered the same way. The
+ * group formats sum code * x over a group, then multiply by the group's d once (the tile's
+ * d are widened from float16 64 groups at a time); q4's m term is sum_g m_g * (sum of x over
+ * g), one short dot product per row at the end. For int8 and one row of x (decode) each
+ * accumulator is split in two, so that 8 chains of FMAs are in flight. The codes of the
+ * rows PREFETCH_BYTES ahead are prefetched: each call streams a different matrix once.
  *
  * Vector path: AVX2 + FMA + F16C (8 float32 lanes) when the compiler targets them (it is
  * built with -march=native on the machine that runs it); otherwise plain C loops.
@@ -73,7 +76,10 @@ static inline float hsum8(__m256 v) {
 #endif
 
 #define NR 4            /* weight rows per tile */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* how far ahead of the tile prefetch_rows reads */
+#endif
+#define DCHUNK 64       /* groups whose d are widened at once into a tile's buffer */
 #define NBLOCK 16       /* output rows per unit of parallel work (a multiple of NR) */
 #define AI static inline __attribute__((always_inline))
 
@@ -133,11 +139,25 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
     int k = 0;
 #ifdef LLMLAB_AVX2
     const int K16 = K & ~15, G = fmt == FMT_INT8 ? K16 : gc ? gc : g->G;  /* gc: G known at compile time */
-    const int split = nr * mt <= 4;           /* two accumulators: 8 FMA chains */
+    /* int8, few rows: two accumulators each, so that 8 chains of FMAs are in flight (the
+     * group formats have enough other work per group to hide the latency) */
+    const int split = fmt == FMT_INT8 && nr * mt <= 4;
     __m256 acc[NR][2];
     for (int j = 0; j < nr; j++)
         for (int r = 0; r < mt; r++) acc[j][r] = _mm256_setzero_ps();
+    float dg[NR][DCHUNK];                         /* the tile's d, widened DCHUNK groups at a time */
     for (int k0 = 0; G > 0 && k0 < K16; k0 += G) {
+        const int gidx = k0 / G;
+        if (fmt != FMT_INT8 && gidx % DCHUNK == 0) {
+            int cnt = g->groups - gidx < DCHUNK ? (int)g->groups - gidx : DCHUNK;
+            for (int j = 0; j < nr; j++) {
+                const uint16_t *dr = g->d + ((size_t)n0 + j) * g->groups + gidx;
+                int i = 0;
+                for (; i + 8 <= cnt; i += 8)
+                    _mm256_storeu_ps(&dg[j][i], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr + i))));
+                for (; i < cnt; i++) dg[j][i] = _cvtsh_ss(dr[i]);
+            }
+        }
         __m256 ga[NR][2][2];
         for (int j = 0; j < nr; j++)
             for (int r = 0; r < mt; r++) ga[j][r][0] = ga[j][r][1] = _mm256_setzero_ps();
@@ -157,14 +177,12 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
                 }
             }
         }
-        for (int j = 0; j < nr; j++) {
-            size_t gi = ((size_t)n0 + j) * g->groups + k0 / (G ? G : 1);
+        for (int j = 0; j < nr; j++)
             for (int r = 0; r < mt; r++) {
                 __m256 s = split ? _mm256_add_ps(ga[j][r][0], ga[j][r][1]) : ga[j][r][0];
                 if (fmt == FMT_INT8) acc[j][r] = s;
-                else acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(g->d[gi])), s, acc[j][r]);
+                else acc[j][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dg[j][gidx % DCHUNK]), s, acc[j][r]);
             }
-        }
     }
     if (fmt == FMT_Q4)                            /* sum over groups of m * (sum of x) */
         for (int j = 0; j < nr; j++)
@@ -205,7 +223,7 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
  * prefetcher alone does not keep enough reads in flight. */
 AI void prefetch_rows(const gemv_t *g, int n) {
 #ifdef LLMLAB_AVX2
-    if (n >= g->N) return;
+    if (PREFETCH_BYTES == 0 || n >= g->N) return;
     const char *p = (const char *)g->w + (size_t)n * g->row_bytes;
     size_t len = (size_t)(g->N - n < NR ? g->N - n : NR) * g->row_bytes;
     for (size_t o = 0; o < len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);

@@ -56,10 +56,10 @@ def test_int8_is_exact_on_integers():
 
 
 @pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group, k", [(32, 320), (64, 320), (128, 384), (32, 32 * 70)])
 @pytest.mark.parametrize("n", [19, 96])
-def test_q4_matches_the_dequantized_matmul(m, group, n, threads):
-    k = 2 * 128 + (128 if group == 128 else 64)                 # several groups, K % 128 != 0
+def test_q4_matches_the_dequantized_matmul(m, group, k, n, threads):
+    # several groups, K % 128 != 0; 70 groups: more than the kernel widens d for at once
     g = torch.Generator().manual_seed(group + n + m)
     w = torch.randn(n, k, generator=g)
     codes, d, mn = formats.group_quantize(w, bits=4, group_size=group)
