@@ -14,15 +14,17 @@
  *         W[n,k] = code[n,k] * d[n, k/G] + m[n, k/G]    (asymmetric groups of G inputs)
  *         (llmlab.quant.linear.GroupLinear's own storage, so no second copy is made)
  *   q8_0  q [N, K] int8, d [N, K/32] float16:          W[n,k] = q[n,k] * d[n, k/32]
+ *   fp8   q [N, K] float8 e4m3 (its bytes), scale [N] float32: W[n,k] = e4m3(q[n,k]) * scale[n]
  *
- * Limits: q4 needs G % 32 == 0 and K % G == 0; q8_0 needs K % 32 == 0; int8 takes any K.
+ * Limits: q4 needs G % 32 == 0 and K % G == 0; q8_0 needs K % 32 == 0; int8 and fp8 take
+ * any K (fp8: finite codes only).
  * M is any size, but the loops are for small M: a tile of 4 weight rows is widened once per
  * 2 rows of x (its bytes stay in L1 between passes, but the widening is redone), so for
  * large M a blocked GEMM on a dequantized copy is faster.
  *
  * How: the inner step takes 16 weights of each of NR = 4 rows, widens them to float32
- * (int8: sign-extend and convert; q8_0: the same times the block's d; q4: zero-extend 8
- * bytes, split the nibbles, code*d + m in one FMA) and multiply-adds them into NR x MT
+ * (int8 and q8_0: sign-extend and convert; q4: zero-extend 8 bytes and split the nibbles;
+ * fp8: move the e4m3 bits into a float16 and convert) and multiply-adds them into NR x MT
  * accumulators of 8 lanes. The 16 codes of 8 q4 bytes come out as inputs 0,2,..,14 then
  * 1,3,..,15, so x is first copied with each run of 16 inputs reordered the same way. The
  * group formats sum code * x over a group, then multiply by the group's d once (the tile's
@@ -83,7 +85,8 @@ static inline float hsum8(__m256 v) {
 #define NBLOCK 16       /* output rows per unit of parallel work (a multiple of NR) */
 #define AI static inline __attribute__((always_inline))
 
-enum { FMT_INT8 = 0, FMT_Q4 = 1, FMT_Q8_0 = 2 };
+enum { FMT_INT8 = 0, FMT_Q4 = 1, FMT_Q8_0 = 2, FMT_FP8 = 3 };
+#define PER_ROW(fmt) ((fmt) == FMT_INT8 || (fmt) == FMT_FP8)   /* one scale per row, no groups */
 
 typedef struct {        /* one quantized weight matrix and its input */
     const float *x;     /* [M, K], reordered per 16 for q4 */
@@ -101,7 +104,17 @@ typedef struct {        /* one quantized weight matrix and its input */
 /* the codes of 16 weights [k, k+16) of one row as two vectors of 8 float32 (q4: in the
  * reordered input order); the group's d and m are applied by the caller, once per group */
 AI void load_unit(int fmt, const uint8_t *row, int k, __m256 *w0, __m256 *w1) {
-    if (fmt == FMT_Q4) {
+    if (fmt == FMT_FP8) {
+        /* e4m3 seeeemmm -> the float16 s0eeeemmm0000000, worth 2^-8 of it (both formats
+         * have subnormals, so this holds for every finite value); the 256 goes into the
+         * row's scale. x << 8 per 16-bit lane, arithmetic >> 1, clear bit 14. */
+        __m128i b = _mm_loadu_si128((const __m128i *)(row + k));
+        __m128i mask = _mm_set1_epi16((short)0xBFFF);
+        __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1), mask);
+        __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(_mm_setzero_si128(), b), 1), mask);
+        *w0 = _mm256_cvtph_ps(lo);
+        *w1 = _mm256_cvtph_ps(hi);
+    } else if (fmt == FMT_Q4) {
         __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k / 2)));
         *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
         *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
@@ -122,6 +135,10 @@ AI float weight_at(int fmt, const uint8_t *row, const uint16_t *d, const uint16_
         int code = j < 8 ? (b & 15) : (b >> 4);
         return code * half_to_float(d[k / G]) + half_to_float(m[k / G]);
     }
+    if (fmt == FMT_FP8) {                         /* in units of 2^-8, as load_unit */
+        uint8_t b = row[k];
+        return half_to_float((uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7)));
+    }
     float q = (float)((const int8_t *)row)[k];
     return fmt == FMT_Q8_0 ? q * half_to_float(d[k / 32]) : q;
 }
@@ -138,17 +155,17 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
         for (int r = 0; r < mt; r++) out[j][r] = 0.0f;
     int k = 0;
 #ifdef LLMLAB_AVX2
-    const int K16 = K & ~15, G = fmt == FMT_INT8 ? K16 : gc ? gc : g->G;  /* gc: G known at compile time */
+    const int K16 = K & ~15, G = PER_ROW(fmt) ? K16 : gc ? gc : g->G;  /* gc: G known at compile time */
     /* int8, few rows: two accumulators each, so that 8 chains of FMAs are in flight (the
      * group formats have enough other work per group to hide the latency) */
-    const int split = fmt == FMT_INT8 && nr * mt <= 4;
+    const int split = PER_ROW(fmt) && nr * mt <= 4;
     __m256 acc[NR][2];
     for (int j = 0; j < nr; j++)
         for (int r = 0; r < mt; r++) acc[j][r] = _mm256_setzero_ps();
     float dg[NR][DCHUNK];                         /* the tile's d, widened DCHUNK groups at a time */
     for (int k0 = 0; G > 0 && k0 < K16; k0 += G) {
         const int gidx = k0 / G;
-        if (fmt != FMT_INT8 && gidx % DCHUNK == 0) {
+        if (!PER_ROW(fmt) && gidx % DCHUNK == 0) {
             int cnt = g->groups - gidx < DCHUNK ? (int)g->groups - gidx : DCHUNK;
             for (int j = 0; j < nr; j++) {
                 const uint16_t *dr = g->d + ((size_t)n0 + j) * g->groups + gidx;
@@ -180,7 +197,7 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
         for (int j = 0; j < nr; j++)
             for (int r = 0; r < mt; r++) {
                 __m256 s = split ? _mm256_add_ps(ga[j][r][0], ga[j][r][1]) : ga[j][r][0];
-                if (fmt == FMT_INT8) acc[j][r] = s;
+                if (PER_ROW(fmt)) acc[j][r] = s;
                 else acc[j][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dg[j][gidx % DCHUNK]), s, acc[j][r]);
             }
     }
@@ -213,6 +230,7 @@ AI void tile(const gemv_t *g, int fmt, int gc, int n0, int m0, int nr, int mt) {
         for (int r = 0; r < mt; r++) {
             float v = out[j][r];
             if (fmt == FMT_INT8) v *= g->scale[n0 + j];
+            if (fmt == FMT_FP8) v *= g->scale[n0 + j] * 256.0f;     /* see load_unit */
             g->y[(size_t)(m0 + r) * g->N + n0 + j] = v;
         }
 }
@@ -235,7 +253,7 @@ AI void prefetch_rows(const gemv_t *g, int n) {
 AI void tiles(const gemv_t *g, int fmt, int gc, int n0, int n1) {
     for (int n = n0; n < n1; n += NR) {
         int nr = n1 - n < NR ? n1 - n : NR;
-        int step = fmt == FMT_INT8 ? 2 : 1;      /* group formats: ga and acc per row */
+        int step = PER_ROW(fmt) ? 2 : 1;         /* group formats: ga and acc per row */
         prefetch_rows(g, n + g->ahead);
         for (int m0 = 0; m0 < g->M; m0 += step) {
             int two = step == 2 && g->M - m0 >= 2;
@@ -260,6 +278,7 @@ static void run(gemv_t *g, int nthreads) {
             else tiles(g, FMT_Q4, 0, n0, n1);
             break;
         case FMT_Q8_0: tiles(g, FMT_Q8_0, 32, n0, n1); break;
+        case FMT_FP8: tiles(g, FMT_FP8, 0, n0, n1); break;
         default: tiles(g, FMT_INT8, 0, n0, n1);
         }
     }
@@ -301,6 +320,14 @@ int llmlab_q8_0_gemv(const float *x, const int8_t *q, const uint16_t *d, float *
     gemv_t g = {x, (const uint8_t *)q, d, d, 0, 0, y, M, N, K, 32, FMT_Q8_0, (size_t)K, (size_t)K / 32, 0};
     run(&g, nthreads);
     return 0;
+}
+
+/* fp8 e4m3: W[n,k] = e4m3(q[n,k]) * scale[n] (finite values; NaN codes are not expected) */
+void llmlab_fp8_gemv(const float *x, const uint8_t *q, const float *scale, float *y,
+                     int M, int N, int K, int nthreads) {
+    static const uint16_t none = 0;
+    gemv_t g = {x, q, &none, &none, scale, 0, y, M, N, K, 1, FMT_FP8, (size_t)K, 0, 0};
+    run(&g, nthreads);
 }
 
 /* which path this build took: 8 = AVX2/FMA/F16C lanes, 1 = plain C */

@@ -1,4 +1,5 @@
-"""CPU matrix-vector products on quantized weights with float32 activations (decode).
+"""CPU matrix-vector products on quantized weights with float32 activations (decode):
+int8 per row, 4-bit groups (int4, GGUF Q4_1), GGUF Q8_0 and float8 e4m3 per row.
 
 The C source is ``cpu_gemv.c`` beside this file; its header states the layouts and limits.
 PyTorch's packed CPU kernels (``torch._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
@@ -105,6 +106,8 @@ def _open(path: Path):
     lib.llmlab_q4_gemv.restype = i
     lib.llmlab_q8_0_gemv.argtypes = [p, p, p, p, i, i, i, i]
     lib.llmlab_q8_0_gemv.restype = i
+    lib.llmlab_fp8_gemv.argtypes = [p, p, p, p, i, i, i, i]
+    lib.llmlab_fp8_gemv.restype = None
     lib.llmlab_vector_width.restype = i
     return lib
 
@@ -170,6 +173,14 @@ def q8_0_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def fp8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = w8.shape
+    y = torch.empty(x.shape[:-1] + (n,))
+    _LIB["lib"].llmlab_fp8_gemv(x.data_ptr(), w8.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                                x.numel() // k, n, k, torch.get_num_threads())
+    return y
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x · (q · scale[:, None])ᵀ; q [N, K] int8, scale [N] float32."""
     x = _check(x, q.shape[1])
@@ -207,3 +218,14 @@ def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
         raise ValueError(f"Q8_0 needs int8 q with K % 32 == 0 and d float16 [{n}, {k // 32}]; "
                          f"got K={k}, {q.dtype}, {d.dtype} {tuple(d.shape)}")
     return q8_0_mm(x, q, d)
+
+
+def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x · (w8 · scale[:, None])ᵀ; w8 [N, K] float8_e4m3fn (finite), scale [N] float32."""
+    x = _check(x, w8.shape[1])
+    _contiguous(w8, scale)
+    if w8.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 \
+            or scale.shape != (w8.shape[0],):
+        raise ValueError(f"w8 must be float8_e4m3fn [N, K] and scale float32 [N]; got "
+                         f"{w8.dtype}, {scale.dtype} {tuple(scale.shape)}")
+    return fp8_mm(x, w8, scale)

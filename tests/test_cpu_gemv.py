@@ -120,14 +120,41 @@ def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
     d, mn = d.half(), mn.half()
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     q8, d8 = formats.q8_0_quantize(w)
+    w8, s8 = formats.fp8_quantize(w)
     refs = [x @ formats.int8_dequantize(q, scale).T, x @ formats.group_dequantize(codes, d, mn).T,
-            x @ formats.q8_0_dequantize(q8, d8).T]
-    fast = [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
-            cpu_gemv.q8_0_mm(x, q8, d8)]
+            x @ formats.q8_0_dequantize(q8, d8).T, x @ formats.fp8_dequantize(w8, s8).T]
+
+    def run():
+        return [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
+                cpu_gemv.q8_0_mm(x, q8, d8), cpu_gemv.fp8_mm(x, w8, s8)]
+
+    fast = run()
     monkeypatch.setitem(cpu_gemv._LIB, "lib", lib)
     if platform.machine() == "x86_64":
         assert lib.llmlab_vector_width() == 1, "the portable build took the AVX2 path"
-    plain = [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
-             cpu_gemv.q8_0_mm(x, q8, d8)]
-    for name, ref, a, b in zip(["int8", "q4", "q8_0"], refs, fast, plain):
+    plain = run()
+    for name, ref, a, b in zip(["int8", "q4", "q8_0", "fp8"], refs, fast, plain):
         assert _rel(a, ref) < 1e-5 and _rel(b, ref) < 1e-5, name
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("n, k", [(37, 40), (64, 576)])
+def test_fp8_matches_the_dequantized_matmul(m, n, k, threads):
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g)
+    w[0, :8] = torch.tensor([1e-9, -1e-9, 3e-3, 1e-4, 0.0, -0.0, 5.0, -5.0])  # subnormal codes
+    w8, scale = formats.fp8_quantize(w)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ formats.fp8_dequantize(w8, scale).double().T
+    y = cpu_gemv.fp8_gemv(x, w8, scale)
+    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
+
+
+def test_fp8_decodes_every_finite_code_exactly():
+    # one row per code: x = e_k picks column k, so y is the decoded weight itself
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]                         # e4m3fn's NaNs
+    w8 = codes.view(torch.float8_e4m3fn).reshape(1, -1).contiguous()
+    x = torch.eye(w8.shape[1])
+    y = cpu_gemv.fp8_gemv(x, w8, torch.ones(1))[:, 0]
+    assert torch.equal(y, w8.float()[0]), (y - w8.float()[0]).abs().max()

@@ -15,25 +15,28 @@ Schemes (every linear layer of every decoder block):
 [49152, 576] table is a fifth of SmolLM2's float32 bytes and every decode step reads all of
 it, so a float32 head (113 MB) would outweigh all the 4-bit layers together (66-80 MB). The
 shipped file stores it as GGUF Q8_0 (int8 codes, a float16 scale per 32), so ``"q8_0"``
-keeps it exactly, at 34 bytes per 32 weights. Measured over 1,023 tokens of the evaluation
-text (KLD against float32, nats/token): an int8-per-row head alone (float32 linears) gives
-2.6e-3; int4 linears give 2.6e-4 with a float32 head, 8.1e-4 with the Q8_0 head (its weights
-are exact; the rest is the kernel's bfloat16 activations and logits) and 6.7e-2 with an int4
-head, which is why 4 bits are not the default. On this CPU the Q8_0 kernel runs at the
-per-row int8 kernel's speed, about twice as fast as the float32 head (one thread).
+keeps it exactly, at 34 bytes per 32 weights. The int4 and Q4_1 linears also give back the
+shipped weights exactly, so with the Q8_0 head and float32 arithmetic (the C decode kernels,
+the reference) an int4 model is the float model up to the order of the additions; an int4
+head instead gives a KLD of 6.7e-2 nats/token against float32 (measured over 1,023 tokens of
+the evaluation text), which is why 4 bits are not the default there.
 
 ``exact_top=64`` (the default) wraps the head in :class:`RefinedHead`, which recomputes the
-64 largest logits of each position in float32 from the head's exact rows: int4 with the
-Q8_0 head then gives 3.3e-4 instead of 8.1e-4, for about 0.2-0.3 ms per decode step.
+64 largest logits of each position in float32 from the head's exact rows where the head's
+kernel rounds to bfloat16 (PyTorch's packed kernels, the fallback without a C compiler or
+under ``use_kernels("torch")``): with those kernels, over 1,023 tokens, int4 gives a KLD of
+3.3e-4 with it and 8.1e-4 without. Where the head computes in float32 it does nothing.
 
 The ``"int8"`` scheme keeps its definition (one scale per output channel) and with it a
-larger error: the per-row int8 linears alone give a KLD of 3.3e-3 (the q/k/v and down
+larger error: the per-row int8 linears alone give a KLD of about 3e-3 (the q/k/v and down
 projections about a third each), because one step per row is coarser than the shipped
-4-bit blocks wherever a block's range is small next to its row's largest weight.
-``rounding="gptq"`` keeps those scales and chooses the codes with GPTQ
-(:mod:`llmlab.quant.gptq`, calibrated on 2,048 tokens of text SmolLM2 wrote itself): 1.8e-3
-over the first 1,024 tokens of the evaluation text, against 3.3e-3 for round-to-nearest
-(reference path; about 25 s on this CPU).
+4-bit blocks wherever a block's range is small next to its row's largest weight. Two
+calibrated options keep the format and lower the error, both from statistics of the
+layers' inputs on :func:`calibration_token_ids` (prose written for the workbook):
+``equalize=True`` folds a scale per input channel into the norms, v_proj and up_proj
+(:mod:`llmlab.quant.equalize`, AWQ's idea), and ``rounding="gptq"`` chooses the codes with
+GPTQ (:mod:`llmlab.quant.gptq`). Over the whole evaluation text (2,531 tokens): round to
+nearest 3.2e-3, both together 9.2e-4 (``python -m llmlab.bench quant`` prints both).
 
 ``fuse=True`` (the default) stores q/k/v and gate/up of each layer as one matrix each
 (:class:`SharedProjection`): one kernel call per group, the same weights.

@@ -318,8 +318,10 @@ class Q8_0Linear(QuantizedLinear):
 
 
 class FP8Linear(QuantizedLinear):
-    """float8 e4m3 weight, one float32 scale per output channel (reference path only:
-    this CPU build has no fast float8 matmul; on H100-class GPUs it is a tensor-core type)."""
+    """float8 e4m3 weight, one float32 scale per output channel. On the CPU the C decode
+    kernel reads it (one byte per weight, widened to float32 in registers; PyTorch has no
+    float8 CPU matmul); elsewhere the reference. On H100-class GPUs it is a tensor-core
+    type, which this layer does not use."""
 
     scheme = "fp8"
 
@@ -334,6 +336,12 @@ class FP8Linear(QuantizedLinear):
 
     def weight_nbytes(self) -> int:
         return self.w8.numel() + self.scale.numel() * 4
+
+    def kernel_forward(self, x):
+        if not x.is_cuda and _cpu_path(x) == "c":
+            b = self._buffers
+            return cpu_gemv.fp8_mm(x, b["w8"], b["scale"])
+        return None
 
 
 class BF16Linear(QuantizedLinear):
