@@ -36,6 +36,7 @@
  * Vector path: AVX2 + FMA + F16C (8 float32 lanes) when the compiler targets them (it is
  * built with -march=native on the machine that runs it); otherwise plain C loops.
  * Threads: OpenMP over blocks of output rows, nthreads given by the caller.
+ * llmlab_dequantize writes the float32 matrix itself, for prefill (see there).
  * Taught in notebook 08.
  */
 #include <stdint.h>
@@ -328,6 +329,61 @@ void llmlab_fp8_gemv(const float *x, const uint8_t *q, const float *scale, float
     static const uint16_t none = 0;
     gemv_t g = {x, q, &none, &none, scale, 0, y, M, N, K, 1, FMT_FP8, (size_t)K, 0, 0};
     run(&g, nthreads);
+}
+
+/* ------------------------------------------------------------------------ dequantize
+ * W [N, K] float32 from any of the formats, for many rows of x (prefill), where a float32
+ * GEMM on the whole matrix beats re-widening the codes per row. Products and sums are
+ * rounded separately (no FMA; built with -ffp-contract=off), so W is bit for bit what
+ * llmlab.quant.formats' PyTorch dequantizers give. */
+void llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                       const float *scale, float *out, int N, int K, int G, int nthreads) {
+    size_t row_bytes = fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K;
+    size_t groups = fmt == FMT_Q4 ? (size_t)K / G : fmt == FMT_Q8_0 ? (size_t)K / 32 : 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        float *o = out + (size_t)n * K;
+        const uint16_t *dn = d + (size_t)n * groups, *mn = m + (size_t)n * groups;
+        float s = fmt == FMT_INT8 ? scale[n] : fmt == FMT_FP8 ? scale[n] * 256.0f : 1.0f;
+        int k = 0;
+#ifdef LLMLAB_AVX2
+        for (; k + 16 <= K; k += 16) {
+            __m256 w0, w1;
+            load_unit(fmt, row, k, &w0, &w1);
+            if (fmt == FMT_Q4) {                  /* codes * d + m, then back to input order */
+                __m256 dv = _mm256_set1_ps(_cvtsh_ss(dn[k / G])), mv = _mm256_set1_ps(_cvtsh_ss(mn[k / G]));
+                w0 = _mm256_add_ps(_mm256_mul_ps(w0, dv), mv);
+                w1 = _mm256_add_ps(_mm256_mul_ps(w1, dv), mv);
+                __m256 lo = _mm256_unpacklo_ps(w0, w1), hi = _mm256_unpackhi_ps(w0, w1);
+                w0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+                w1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+            } else {
+                __m256 sv = _mm256_set1_ps(fmt == FMT_Q8_0 ? _cvtsh_ss(dn[k / 32]) : s);
+                if (fmt == FMT_FP8) {             /* (fp16 value * 256) * scale: one rounding */
+                    w0 = _mm256_mul_ps(w0, _mm256_set1_ps(256.0f));
+                    w1 = _mm256_mul_ps(w1, _mm256_set1_ps(256.0f));
+                    sv = _mm256_set1_ps(scale[n]);
+                }
+                w0 = _mm256_mul_ps(w0, sv);
+                w1 = _mm256_mul_ps(w1, sv);
+            }
+            _mm256_storeu_ps(o + k, w0);
+            _mm256_storeu_ps(o + k + 8, w1);
+        }
+#endif
+        for (; k < K; k++) {
+            if (fmt == FMT_Q4) {                  /* natural order: byte k/2, nibble k%2 */
+                uint8_t b = row[k / 2];
+                float code = (float)(k % 2 ? b >> 4 : b & 15);
+                o[k] = code * half_to_float(dn[k / G]) + half_to_float(mn[k / G]);
+            } else if (fmt == FMT_FP8) {
+                o[k] = weight_at(fmt, row, dn, mn, G, k) * 256.0f * scale[n];
+            } else {
+                o[k] = weight_at(fmt, row, dn, mn, G, k) * (fmt == FMT_Q8_0 ? 1.0f : s);
+            }
+        }
+    }
 }
 
 /* which path this build took: 8 = AVX2/FMA/F16C lanes, 1 = plain C */

@@ -69,7 +69,8 @@ def _build(cc: str, native: bool = True) -> Path:
     for flags in (["-fopenmp"], []):               # without OpenMP (e.g. Apple clang): 1 thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", *arch, "-shared", "-fPIC", *flags, str(SOURCE), "-o", tmp]
+        cmd = [cc, "-O3", *arch, "-ffp-contract=off", "-shared", "-fPIC", *flags, str(SOURCE),
+               "-o", tmp]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode == 0:
             os.replace(tmp, out)                    # atomic: a concurrent build is harmless
@@ -108,6 +109,8 @@ def _open(path: Path):
     lib.llmlab_q8_0_gemv.restype = i
     lib.llmlab_fp8_gemv.argtypes = [p, p, p, p, i, i, i, i]
     lib.llmlab_fp8_gemv.restype = None
+    lib.llmlab_dequantize.argtypes = [i, p, p, p, p, p, i, i, i, i]
+    lib.llmlab_dequantize.restype = None
     lib.llmlab_vector_width.restype = i
     return lib
 
@@ -179,6 +182,26 @@ def fp8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     _LIB["lib"].llmlab_fp8_gemv(x.data_ptr(), w8.data_ptr(), scale.data_ptr(), y.data_ptr(),
                                 x.numel() // k, n, k, torch.get_num_threads())
     return y
+
+
+_FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3}
+
+
+def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
+               d: torch.Tensor | None = None, m: torch.Tensor | None = None,
+               group_size: int = 32) -> torch.Tensor:
+    """The float32 weight [N, k] from the stored codes (unchecked; the layers' buffers, in the
+    layouts above): bit for bit what :mod:`llmlab.quant.formats` gives, several times faster,
+    for prefill (a float32 GEMM on the whole matrix) and the quality evaluation.
+    fmt: "int8" (codes, scale), "q4" (packed codes, d, m, group_size), "q8_0" (codes, d)
+    or "fp8" (codes, scale)."""
+    n = codes.shape[0]
+    out = torch.empty(n, k)
+    none = codes                                   # any valid pointer for unused arguments
+    ptr = [t.data_ptr() if t is not None else none.data_ptr() for t in (d, m, scale)]
+    _LIB["lib"].llmlab_dequantize(_FORMATS[fmt], codes.data_ptr(), ptr[0], ptr[1], ptr[2],
+                                  out.data_ptr(), n, k, group_size, torch.get_num_threads())
+    return out
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

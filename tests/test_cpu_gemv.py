@@ -135,6 +135,10 @@ def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
     plain = run()
     for name, ref, a, b in zip(["int8", "q4", "q8_0", "fp8"], refs, fast, plain):
         assert _rel(a, ref) < 1e-5 and _rel(b, ref) < 1e-5, name
+    assert torch.equal(cpu_gemv.dequantize("q4", packed, 96, d=d, m=mn, group_size=32),
+                       formats.group_dequantize(codes, d, mn))
+    assert torch.equal(cpu_gemv.dequantize("fp8", w8, 96, scale=s8), formats.fp8_dequantize(w8, s8))
+    assert torch.equal(cpu_gemv.dequantize("q8_0", q8, 96, d=d8), formats.q8_0_dequantize(q8, d8))
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])
@@ -158,3 +162,27 @@ def test_fp8_decodes_every_finite_code_exactly():
     x = torch.eye(w8.shape[1])
     y = cpu_gemv.fp8_gemv(x, w8, torch.ones(1))[:, 0]
     assert torch.equal(y, w8.float()[0]), (y - w8.float()[0]).abs().max()
+
+
+def test_dequantize_is_bit_for_bit_the_pytorch_formats():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(23, 96, generator=g)
+    w[0, :4] = torch.tensor([1e-9, -3e-7, 0.0, 4.0])
+    q, scale = formats.int8_quantize(w)
+    codes, d, mn = formats.group_quantize(w, bits=4, group_size=32)
+    d, mn = d.half(), mn.half()
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    q8, d8 = formats.q8_0_quantize(w)
+    w8, s8 = formats.fp8_quantize(w)
+    pairs = {
+        "int8": (cpu_gemv.dequantize("int8", q, 96, scale=scale), formats.int8_dequantize(q, scale)),
+        "q4": (cpu_gemv.dequantize("q4", packed, 96, d=d, m=mn, group_size=32),
+               formats.group_dequantize(codes, d, mn)),
+        "q8_0": (cpu_gemv.dequantize("q8_0", q8, 96, d=d8), formats.q8_0_dequantize(q8, d8)),
+        "fp8": (cpu_gemv.dequantize("fp8", w8, 96, scale=s8), formats.fp8_dequantize(w8, s8)),
+    }
+    for name, (got, want) in pairs.items():
+        assert torch.equal(got, want), f"{name}: max |diff| {(got - want).abs().max():.1e}"
+    # int8 with K not a multiple of 16 (the scalar tail)
+    q7, s7 = formats.int8_quantize(torch.randn(5, 21, generator=g))
+    assert torch.equal(cpu_gemv.dequantize("int8", q7, 21, scale=s7), formats.int8_dequantize(q7, s7))

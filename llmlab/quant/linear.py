@@ -69,15 +69,25 @@ def use_kernels(enabled: bool | str = True):
 
 def _cpu_path(x: torch.Tensor) -> str:
     """Which CPU path a quantized layer takes for x: "c" (the C decode kernels), "torch"
-    (PyTorch's packed kernels, bfloat16 activations) or "reference"."""
+    (PyTorch's packed kernels, bfloat16 activations), "dequant" (many rows: dequantize, then
+    a float32 matmul) or "reference" (kernels off)."""
     mode = _KERNELS["mode"]
     if mode != "auto":
         return "torch" if mode == "torch" else "reference"
     if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:
-        return "reference"
+        return "dequant"
     if x.dtype is torch.float32 and x.is_contiguous() and cpu_gemv.available():
         return "c"
     return "torch"
+
+
+def _dequantized_matmul(x: torch.Tensor, fmt: str, codes: torch.Tensor, k: int, **stored):
+    """Many rows (prefill): the C dequantizer (the same float32 weight as the reference's,
+    bit for bit, several times faster), then the float32 matmul; None where the C kernels
+    are not built (the caller falls back to the reference)."""
+    if not cpu_gemv.available() or x.dtype is not torch.float32:
+        return None
+    return F.linear(x, cpu_gemv.dequantize(fmt, codes, k, **stored))
 
 
 def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -177,11 +187,11 @@ class Int8Linear(QuantizedLinear):
             from ..kernels.quant_gemm import int8_gemm
             return int8_gemm(x, self.qweight, self.scale).float()
         path = _cpu_path(x)
+        b = self._buffers                   # not Module.__getattr__: this runs 120 times a step
         if path == "c":
-            b = self._buffers               # not Module.__getattr__: this runs 120 times a step
             return cpu_gemv.int8_mm(x, b["qweight"], b["scale"])
-        if path == "reference":
-            return None
+        if path == "dequant":
+            return _dequantized_matmul(x, "int8", b["qweight"], self.in_features, scale=b["scale"])
         x2, lead = _as_2d(x)
         y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.unit_bf16)
         return torch.mul(y, self.scale).reshape(*lead, self.out_features)
@@ -241,11 +251,13 @@ class GroupLinear(QuantizedLinear):
         if x.is_cuda:
             from ..kernels.quant_gemm import int4_gemm
             return int4_gemm(x, self.packed_codes, self.d, self.m, self.group_size).float()
-        path = _cpu_path(x)
-        if path == "c" and self.group_size % 32 == 0:
-            b = self._buffers
-            return cpu_gemv.q4_mm(x, b["packed_codes"], b["d"], b["m"], self.group_size)
-        if path == "reference" or self.group_size not in INT4_KERNEL_GROUPS:
+        path, b = _cpu_path(x), self._buffers
+        if self.group_size % 32 == 0 and path != "torch":
+            if path == "c":
+                return cpu_gemv.q4_mm(x, b["packed_codes"], b["d"], b["m"], self.group_size)
+            return _dequantized_matmul(x, "q4", b["packed_codes"], self.in_features, d=b["d"],
+                                       m=b["m"], group_size=self.group_size)
+        if path == "dequant" or self.group_size not in INT4_KERNEL_GROUPS:
             return None
         if self._kernel_weight is None:
             self._build_kernel_weight()
@@ -301,12 +313,11 @@ class Q8_0Linear(QuantizedLinear):
     def kernel_forward(self, x):
         if x.is_cuda:
             return None
-        path = _cpu_path(x)
+        path, b = _cpu_path(x), self._buffers
         if path == "c":
-            b = self._buffers
             return cpu_gemv.q8_0_mm(x, b["qweight"], b["d"])
-        if path == "reference":
-            return None
+        if path == "dequant":
+            return _dequantized_matmul(x, "q8_0", b["qweight"], self.in_features, d=b["d"])
         if self._kernel_weight is None:
             self._build_kernel_weight()
         packed, sz = self._kernel_weight
@@ -338,9 +349,11 @@ class FP8Linear(QuantizedLinear):
         return self.w8.numel() + self.scale.numel() * 4
 
     def kernel_forward(self, x):
-        if not x.is_cuda and _cpu_path(x) == "c":
-            b = self._buffers
+        path, b = "cuda" if x.is_cuda else _cpu_path(x), self._buffers
+        if path == "c":
             return cpu_gemv.fp8_mm(x, b["w8"], b["scale"])
+        if path == "dequant":
+            return _dequantized_matmul(x, "fp8", b["w8"], self.in_features, scale=b["scale"])
         return None
 
 
