@@ -20,6 +20,18 @@ def test_timer_measures_wall_time():
         time_fn(lambda: None, repeats=0)
 
 
+def test_time_interleaved_runs_each_function_in_turn():
+    from llmlab.profiling import time_interleaved
+    calls = []
+    res = time_interleaved({"a": lambda: calls.append("a"),
+                            "b": lambda: (calls.append("b"), time.sleep(0.01))}, repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3             # warm-ups, then rounds
+    assert len(res["a"].times_s) == len(res["b"].times_s) == 3
+    assert res["b"].median_s >= 0.009 > res["a"].median_s
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_interleaved({"a": lambda: None}, repeats=0)
+
+
 def test_peak_memory_sees_a_temporary():
     n = 1024
 

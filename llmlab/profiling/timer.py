@@ -71,3 +71,22 @@ def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
             fn()
         res.times_s.append(t.seconds)
     return res
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                     device: torch.device | str | None = None) -> dict[str, TimingResult]:
+    """Time several functions against each other: ``warmup`` untimed calls of each, then
+    ``repeats`` rounds in which each runs once, in turn. A slow minute on a shared machine
+    then lands on every function's samples instead of on one function's median."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    out = {name: TimingResult() for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            with Timer(device) as t:
+                fn()
+            out[name].times_s.append(t.seconds)
+    return out

@@ -42,7 +42,7 @@ import llmlab
 from llmlab import exercises, quant
 from llmlab.device import describe
 from llmlab.models.registry import model_dir
-from llmlab.profiling import time_fn
+from llmlab.profiling import time_interleaved
 from llmlab.profiling.roofline import measure_bandwidth, measure_matmul_flops
 from llmlab.quant import eval as qeval
 
@@ -294,14 +294,15 @@ bandwidth = measure_bandwidth()
 peak = measure_matmul_flops()
 NEW = 8 if QUICK else 16
 prompt = [ids[:32]]
-timings = {}
-for name, m in (("fp32", model), ("int8", q8), ("int4", q4)):
-    timings[name] = {
-        "decode": time_fn(lambda m=m: llmlab.generate(m, tok, prompt, max_new_tokens=NEW,
-                                                      kv_cache="contiguous", ignore_eos=True),
-                          repeats=5, warmup=1),
-        "prefill": time_fn(lambda m=m: m(torch.tensor([ids[:128]]), last_only=True),
-                           repeats=5, warmup=1)}
+schemes = {"fp32": model, "int8": q8, "int4": q4}
+runs = {}                          # interleaved: a noisy moment hits every scheme alike
+for name, m in schemes.items():
+    runs[(name, "decode")] = lambda m=m: llmlab.generate(m, tok, prompt, max_new_tokens=NEW,
+                                                         kv_cache="contiguous", ignore_eos=True)
+    runs[(name, "prefill")] = lambda m=m: m(torch.tensor([ids[:128]]), last_only=True)
+measured = time_interleaved(runs, repeats=5, warmup=1)
+timings = {name: {what: measured[(name, what)] for what in ("decode", "prefill")}
+           for name in schemes}
 for name, t in timings.items():
     d, p = t["decode"], t["prefill"]
     print(f"{name}: decode {NEW / d.median_s:5.1f} tok/s (min-max {NEW / max(d.times_s):.1f}-"
