@@ -33,15 +33,26 @@ def test_the_build_says_what_runs_here():
     assert "AVX2" in line or "plain C" in line, line
 
 
+# the formats with one code per weight: (quantize, dequantize, kernel), and the shapes to try
+# (q8_0 needs K % 32 == 0; the others take ragged K)
+SCALED = {"int8": (formats.int8_quantize, formats.int8_dequantize, cpu_gemv.int8_gemv),
+          "q8_0": (formats.q8_0_quantize, formats.q8_0_dequantize, cpu_gemv.q8_0_gemv),
+          "fp8": (formats.fp8_quantize, formats.fp8_dequantize, cpu_gemv.fp8_gemv)}
+SHAPES = {"int8": [(37, 40), (64, 576), (17, 7), (130, 1536)],
+          "q8_0": [(33, 64), (100, 576)], "fp8": [(37, 40), (64, 576)]}
+
+
 @pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("n, k", [(37, 40), (64, 576), (17, 7), (130, 1536)])
-def test_int8_matches_the_dequantized_matmul(m, n, k, threads):
+@pytest.mark.parametrize("fmt, n, k", [(f, n, k) for f, shapes in SHAPES.items() for n, k in shapes])
+def test_scaled_formats_match_the_dequantized_matmul(fmt, n, k, m, threads):
+    quantize, dequantize, kernel = SCALED[fmt]
     g = torch.Generator().manual_seed(n * k + m)
     w = torch.randn(n, k, generator=g)
-    q, scale = formats.int8_quantize(w)
+    w[0, :6] = torch.tensor([1e-9, -1e-9, 3e-3, 0.0, 5.0, -5.0])[:k]  # fp8: subnormal codes
+    q, s = quantize(w)
     x = torch.randn(m, k, generator=g)
-    ref = x.double() @ formats.int8_dequantize(q, scale).double().T
-    y = cpu_gemv.int8_gemv(x, q, scale)
+    ref = x.double() @ dequantize(q, s).double().T
+    y = kernel(x, q, s)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
 
@@ -84,18 +95,6 @@ def test_q4_nibble_order_is_checked():
     assert not torch.allclose(cpu_gemv.q4_gemv(x, wrong, d, mn, 32), ref, atol=1e-2)
 
 
-@pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("n, k", [(33, 64), (100, 576)])
-def test_q8_0_matches_the_dequantized_matmul(m, n, k, threads):
-    g = torch.Generator().manual_seed(n + k + m)
-    w = torch.randn(n, k, generator=g)
-    q, d = formats.q8_0_quantize(w)
-    x = torch.randn(m, k, generator=g)
-    ref = x.double() @ formats.q8_0_dequantize(q, d).double().T
-    y = cpu_gemv.q8_0_gemv(x, q, d)
-    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
-
-
 def test_bad_shapes_are_refused_with_the_values():
     q = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
@@ -109,18 +108,21 @@ def test_bad_shapes_are_refused_with_the_values():
                            torch.zeros(4, 1).half())
 
 
+def _every_format(w: torch.Tensor):
+    """w in each stored layout: (int8 q, scale), (q4 packed, codes, d, m), (q8_0 q, d), (fp8, scale)."""
+    codes, d, mn = formats.group_quantize(w, bits=4, group_size=32)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return (formats.int8_quantize(w), (packed, codes, d.half(), mn.half()),
+            formats.q8_0_quantize(w), formats.fp8_quantize(w))
+
+
 def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
     # the portable build (no -march=native: no AVX2 on x86-64) is what runs on other CPUs
     monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
     lib = cpu_gemv._open(cpu_gemv._build(cpu_gemv._compiler(), native=False))
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(21, 96, generator=g), torch.randn(3, 96, generator=g)
-    q, scale = formats.int8_quantize(w)
-    codes, d, mn = formats.group_quantize(w, bits=4, group_size=32)
-    d, mn = d.half(), mn.half()
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    q8, d8 = formats.q8_0_quantize(w)
-    w8, s8 = formats.fp8_quantize(w)
+    (q, scale), (packed, codes, d, mn), (q8, d8), (w8, s8) = _every_format(w)
     refs = [x @ formats.int8_dequantize(q, scale).T, x @ formats.group_dequantize(codes, d, mn).T,
             x @ formats.q8_0_dequantize(q8, d8).T, x @ formats.fp8_dequantize(w8, s8).T]
 
@@ -141,19 +143,6 @@ def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
     assert torch.equal(cpu_gemv.dequantize("q8_0", q8, 96, d=d8), formats.q8_0_dequantize(q8, d8))
 
 
-@pytest.mark.parametrize("m", [1, 2, 5])
-@pytest.mark.parametrize("n, k", [(37, 40), (64, 576)])
-def test_fp8_matches_the_dequantized_matmul(m, n, k, threads):
-    g = torch.Generator().manual_seed(n + k + m)
-    w = torch.randn(n, k, generator=g)
-    w[0, :8] = torch.tensor([1e-9, -1e-9, 3e-3, 1e-4, 0.0, -0.0, 5.0, -5.0])  # subnormal codes
-    w8, scale = formats.fp8_quantize(w)
-    x = torch.randn(m, k, generator=g)
-    ref = x.double() @ formats.fp8_dequantize(w8, scale).double().T
-    y = cpu_gemv.fp8_gemv(x, w8, scale)
-    assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
-
-
 def test_fp8_decodes_every_finite_code_exactly():
     # one row per code: x = e_k picks column k, so y is the decoded weight itself
     codes = torch.arange(256, dtype=torch.uint8)
@@ -168,12 +157,7 @@ def test_dequantize_is_bit_for_bit_the_pytorch_formats():
     g = torch.Generator().manual_seed(11)
     w = torch.randn(23, 96, generator=g)
     w[0, :4] = torch.tensor([1e-9, -3e-7, 0.0, 4.0])
-    q, scale = formats.int8_quantize(w)
-    codes, d, mn = formats.group_quantize(w, bits=4, group_size=32)
-    d, mn = d.half(), mn.half()
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    q8, d8 = formats.q8_0_quantize(w)
-    w8, s8 = formats.fp8_quantize(w)
+    (q, scale), (packed, codes, d, mn), (q8, d8), (w8, s8) = _every_format(w)
     pairs = {
         "int8": (cpu_gemv.dequantize("int8", q, 96, scale=scale), formats.int8_dequantize(q, scale)),
         "q4": (cpu_gemv.dequantize("q4", packed, 96, d=d, m=mn, group_size=32),

@@ -376,12 +376,13 @@ def _check_explain_batching(answer) -> object:
 
 _INT4_CHOICES = {
     "a": "an int4 draft stores the same 4-bit grid, so it proposes what the target would: "
-         "acceptance is close to 100%. But a draft token costs what its decode step costs, "
-         "and on a CPU an int4 decode step is not much cheaper than the float32 one, or even "
-         "dearer (the notebook measures c), so E[tokens] / (1 + k·c) stays near or below 1. "
-         "It would pay only where int4 decode runs several times faster than the target's. "
-         "A draft pays when it is much cheaper than the target, not when it is the same "
-         "model in fewer bytes.",
+         "acceptance is close to 100%. But a draft token costs a whole int4 decode step, so c "
+         "is that step's cost over the float32 step's (the notebook measures it): well above "
+         "0, and E[tokens] / (1 + k·c) stays far below k + 1. And here the draft is the "
+         "target itself in fewer bytes: run alone, the int4 model gives the same tokens "
+         "(its weights are the target's exactly) at its full speed, with no verify step. A "
+         "draft pays when it is much cheaper than the target, not when it is the same model "
+         "in fewer bytes.",
     "b": "acceptance is high, not low: the int4 weights reproduce the shipped Q4_1 weights "
          "(notebook 08), so the two models nearly agree.",
     "c": "the rejection rule keeps the target's distribution for any draft; a draft changes "

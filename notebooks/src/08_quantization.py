@@ -388,7 +388,10 @@ print(lc if isinstance(lc, str) else f"llama.cpp Q4_1: {lc_ms:.1f} ms a step ({l
 # is a short product over a matrix of 0.3-2 MB, and widening a 4-bit code to float32 takes
 # several vector instructions per 8 weights. llama.cpp removes both: it builds the whole forward as one
 # graph of C kernels, so there is no per-operation Python, and its CPU kernels for Q4_1 use the
-# vector units' integer dot products (the activations are rounded to 8-bit blocks first).
+# vector units' integer dot products: the activations are rounded to 8-bit blocks first, so one
+# AVX2 instruction multiplies 32 pairs of bytes and sums them in pairs, where llmlab's kernels,
+# which keep the activations in float32 (exact, as the KLDs above show), first widen every
+# code to a float.
 # On a GPU the same two costs are what CUDA graphs and fused dequantize-in-GEMM kernels
 # (`llmlab.kernels.quant_gemm`) remove.
 #

@@ -352,7 +352,7 @@ print(f"int4 draft, k=4: acceptance {st.acceptance_rate:.0%}, {st.tokens_per_for
 # %% [markdown]
 # What does an int4 draft buy when the target's weights are themselves dequantized Q4_1?
 #
-# - (a) acceptance near 100%, but each draft token costs an int4 decode step, so c is far from 0 and the speedup stays small
+# - (a) acceptance near 100%, but each draft token costs a whole int4 decode step, so c is far from 0 and the speedup stays well below k + 1
 # - (b) low acceptance: 4-bit weights make very different predictions
 # - (c) the output changes, because the draft's distribution is not the target's
 # - (d) drafting is free, because a quantized model reads no weights
