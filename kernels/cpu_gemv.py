@@ -3,13 +3,14 @@ int8 per row, 4-bit groups (int4, GGUF Q4_1), GGUF Q8_0 and float8 e4m3 per row.
 
 The C source is ``cpu_gemv.c`` beside this file; its header states the layouts and limits.
 PyTorch's packed CPU kernels (``torch._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
-take bfloat16 activations, and they are fast only on CPUs with bfloat16 instructions
-(AVX512-BF16 or AMX); these loops keep x in float32, widen the codes in registers (AVX2 +
-FMA, or plain C elsewhere), and give the float32 product with the dequantized weight up to
-the order of the additions, on any x86-64 or ARM machine with a C compiler.
+are fast only with bfloat16 activations (their float32 paths are slower than a dense
+float32 matmul), so they round x to 8 significant bits; these loops keep x in float32, widen
+the codes in registers (AVX2 + FMA, or plain C elsewhere), and give the float32 product with
+the dequantized weight up to the order of the additions. ``dequantize`` writes the float32
+weight itself, bit for bit what :mod:`llmlab.quant.formats` gives, for many rows (prefill).
 
-Built on first use with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``), as
-``-O3 -march=native -fopenmp``, into ``$LLMLAB_CACHE`` (default ``~/.cache/llmlab``) under a
+Built on first use with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``), as ``-O3 -march=native -ffp-contract=off -fopenmp``, into ``$LLMLAB_CACHE`` (default ``~/.cache/llmlab``) under a
 name keyed by the source, the compiler and the CPU, then loaded with ctypes. OpenMP binds
 to the runtime torch has already loaded, so these loops share torch's threads
 (``torch.get_num_threads()``). Where no compiler works, :func:`available` is False and

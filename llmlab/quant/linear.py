@@ -3,19 +3,20 @@
 Each layer stores its weight in a quantized format (:mod:`llmlab.quant.formats`) and has
 these forward paths, chosen per call (:func:`use_kernels`):
 
-* the **reference**: dequantize the whole weight to float32, then ``F.linear``. Clear; it
-  reads more bytes than float32 itself, so it is no help to decode, but for many rows
-  (prefill, the quality evaluation) it is a float32 GEMM plus one pass over the weight,
-  and that is what runs there;
+* the **reference**: dequantize the whole weight to float32 (in PyTorch), then ``F.linear``.
+  Clear; it reads more bytes than float32 itself, so it is no help to decode, but for many
+  rows (prefill, the quality evaluation) it is a float32 GEMM plus one pass over the
+  weight, and that is what runs there, with the weight from the C dequantizer (bit for bit
+  the same, several times faster) where it is built;
 * the **C decode kernels** (CPU, up to ``GEMV_MAX_ROWS`` rows): :mod:`llmlab.kernels.cpu_gemv`
   reads the small codes and widens them in registers, with float32 activations, so a decode
   step reads 1 byte (int8) or about 0.6 (4-bit) per weight instead of 4, and its answer is
   the reference's up to the order of the additions;
 * **PyTorch's packed kernels** (``torch._weight_int8pack_mm``,
   ``aten._weight_int4pack_mm_for_cpu``): the fallback where no C compiler is found, and
-  ``use_kernels("torch")``. They take bfloat16 activations (their float32 paths are slower
-  than a dense float32 matmul) and are fast only on CPUs with bfloat16 instructions
-  (AVX512-BF16 or AMX); the layer rounds its input to bfloat16 and widens the output.
+  ``use_kernels("torch")``. They are fast only with bfloat16 activations (their float32
+  paths are slower than a dense float32 matmul), so the layer rounds its input to bfloat16
+  and widens the output.
 
 On CUDA the int8 and 4-bit layers run the Triton dequantize-in-GEMM kernel instead
 (:mod:`llmlab.kernels.quant_gemm`, on the same stored codes and scales).
