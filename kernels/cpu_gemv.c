@@ -285,50 +285,39 @@ static void run(gemv_t *g, int nthreads) {
     }
 }
 
-void llmlab_int8_gemv(const float *x, const int8_t *q, const float *scale, float *y,
-                      int M, int N, int K, int nthreads) {
-    static const uint16_t none = 0;
-    gemv_t g = {x, (const uint8_t *)q, &none, &none, scale, 0, y, M, N, K, 1, FMT_INT8, (size_t)K, 0, 0};
-    run(&g, nthreads);
-}
-
-int llmlab_q4_gemv(const float *x, const uint8_t *packed, const uint16_t *d, const uint16_t *mn,
-                   float *y, int M, int N, int K, int G, int nthreads) {
-    if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
-    int ng = K / G;
-    float *xe = malloc(sizeof(float) * (size_t)M * K), *xs = malloc(sizeof(float) * (size_t)M * ng);
-    if (!xe || !xs) { free(xe); free(xs); return -2; }
-    for (size_t i = 0; i < (size_t)M * K; i += 16)  /* each run of 16: evens, then odds */
-        for (int j = 0; j < 8; j++) {
-            xe[i + j] = x[i + 2 * j];
-            xe[i + 8 + j] = x[i + 2 * j + 1];
+/* y = x W^T for any of the formats: fmt 0 int8 (scale), 1 q4 (d, m, G), 2 q8_0 (d),
+ * 3 fp8 (scale); pointers a format does not use may be anything valid. Returns 0, -1 for
+ * a layout this file does not take (see Limits), -2 when the q4 input copy finds no memory. */
+int llmlab_gemv(int fmt, const float *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                const float *scale, float *y, int M, int N, int K, int G, int nthreads) {
+    if (fmt == FMT_Q8_0) G = 32;
+    if (PER_ROW(fmt)) G = 1;
+    else if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
+    size_t groups = PER_ROW(fmt) ? 0 : (size_t)K / G;
+    gemv_t g = {x, w, d, m, scale, 0, y, M, N, K, G, fmt,
+                fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K, groups, 0};
+    float *xe = 0, *xs = 0;
+    if (fmt == FMT_Q4) {          /* x reordered per run of 16 (see How), and its group sums */
+        xe = malloc(sizeof(float) * (size_t)M * K);
+        xs = malloc(sizeof(float) * (size_t)M * groups);
+        if (!xe || !xs) { free(xe); free(xs); return -2; }
+        for (size_t i = 0; i < (size_t)M * K; i += 16)
+            for (int j = 0; j < 8; j++) {
+                xe[i + j] = x[i + 2 * j];
+                xe[i + 8 + j] = x[i + 2 * j + 1];
+            }
+        for (size_t i = 0; i < (size_t)M * groups; i++) {
+            float t = 0.0f;
+            for (int j = 0; j < G; j++) t += x[i * G + j];
+            xs[i] = t;
         }
-    for (size_t i = 0; i < (size_t)M * ng; i++) {
-        float t = 0.0f;
-        for (int j = 0; j < G; j++) t += x[i * G + j];
-        xs[i] = t;
+        g.x = xe;
+        g.xs = xs;
     }
-    gemv_t g = {xe, packed, d, mn, 0, xs, y, M, N, K, G, FMT_Q4, (size_t)K / 2, (size_t)ng, 0};
     run(&g, nthreads);
     free(xe);
     free(xs);
     return 0;
-}
-
-int llmlab_q8_0_gemv(const float *x, const int8_t *q, const uint16_t *d, float *y,
-                     int M, int N, int K, int nthreads) {
-    if (K % 32 != 0) return -1;
-    gemv_t g = {x, (const uint8_t *)q, d, d, 0, 0, y, M, N, K, 32, FMT_Q8_0, (size_t)K, (size_t)K / 32, 0};
-    run(&g, nthreads);
-    return 0;
-}
-
-/* fp8 e4m3: W[n,k] = e4m3(q[n,k]) * scale[n] (finite values; NaN codes are not expected) */
-void llmlab_fp8_gemv(const float *x, const uint8_t *q, const float *scale, float *y,
-                     int M, int N, int K, int nthreads) {
-    static const uint16_t none = 0;
-    gemv_t g = {x, q, &none, &none, scale, 0, y, M, N, K, 1, FMT_FP8, (size_t)K, 0, 0};
-    run(&g, nthreads);
 }
 
 /* ------------------------------------------------------------------------ dequantize
@@ -345,7 +334,7 @@ void llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint1
         const uint8_t *row = w + (size_t)n * row_bytes;
         float *o = out + (size_t)n * K;
         const uint16_t *dn = d + (size_t)n * groups, *mn = m + (size_t)n * groups;
-        float s = fmt == FMT_INT8 ? scale[n] : fmt == FMT_FP8 ? scale[n] * 256.0f : 1.0f;
+        float s = fmt == FMT_INT8 ? scale[n] : 1.0f;
         int k = 0;
 #ifdef LLMLAB_AVX2
         for (; k + 16 <= K; k += 16) {

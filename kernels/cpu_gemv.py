@@ -102,14 +102,8 @@ def _load():
 def _open(path: Path):
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.llmlab_int8_gemv.argtypes = [p, p, p, p, i, i, i, i]
-    lib.llmlab_int8_gemv.restype = None
-    lib.llmlab_q4_gemv.argtypes = [p, p, p, p, p, i, i, i, i, i]
-    lib.llmlab_q4_gemv.restype = i
-    lib.llmlab_q8_0_gemv.argtypes = [p, p, p, p, i, i, i, i]
-    lib.llmlab_q8_0_gemv.restype = i
-    lib.llmlab_fp8_gemv.argtypes = [p, p, p, p, i, i, i, i]
-    lib.llmlab_fp8_gemv.restype = None
+    lib.llmlab_gemv.argtypes = [i, p, p, p, p, p, p, i, i, i, i, i]
+    lib.llmlab_gemv.restype = i
     lib.llmlab_dequantize.argtypes = [i, p, p, p, p, p, i, i, i, i]
     lib.llmlab_dequantize.restype = None
     lib.llmlab_vector_width.restype = i
@@ -144,64 +138,45 @@ def _contiguous(*ts: torch.Tensor) -> None:
             raise ValueError("quantized weights must be contiguous")
 
 
+FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3}    # the C file's format numbers
+
+
+def _pointers(codes, scale, d, m) -> list[int]:
+    """d, m, scale as the C functions take them (an unused one: any valid pointer)."""
+    return [(codes if t is None else t).data_ptr() for t in (d, m, scale)]
+
+
 # The unchecked calls, for the layers of llmlab.quant.linear, which hold valid contiguous
-# weights and pass x float32 and contiguous with any leading dims ([..., K] is read as
-# [M, K]); y gets x's leading dims. A decode step makes about 120 of these calls, so they
-# only allocate y and call C.
+# weights in the layouts of cpu_gemv.c: fmt "int8" (codes, scale), "q4" (packed codes, d, m,
+# group_size), "q8_0" (codes, d) or "fp8" (codes, scale). A decode step makes about 120
+# gemv calls, so they only allocate y and call C.
 
-def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
+def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
+         scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
+         m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
+    """y [..., N] = x [..., k] · Wᵀ; x float32 and contiguous, any leading dims."""
+    n = codes.shape[0]
     y = torch.empty(x.shape[:-1] + (n,))
-    _LIB["lib"].llmlab_int8_gemv(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                                 x.numel() // k, n, k, torch.get_num_threads())
-    return y
-
-
-def q4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-          group_size: int) -> torch.Tensor:
-    n, k = packed.shape[0], packed.shape[1] * 2
-    y = torch.empty(x.shape[:-1] + (n,))
-    rc = _LIB["lib"].llmlab_q4_gemv(x.data_ptr(), packed.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                    y.data_ptr(), x.numel() // k, n, k, group_size,
-                                    torch.get_num_threads())
+    rc = _LIB["lib"].llmlab_gemv(FORMATS[fmt], x.data_ptr(), codes.data_ptr(),
+                                 *_pointers(codes, scale, d, m), y.data_ptr(), x.numel() // k,
+                                 n, k, group_size, torch.get_num_threads())
     if rc:
-        raise MemoryError(f"q4 gemv: no memory for the reordered input ({tuple(x.shape)})")
+        raise (MemoryError if rc == -2 else ValueError)(
+            f"{fmt} gemv refused x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+            f"group_size={group_size} (code {rc})")
     return y
-
-
-def q8_0_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    y = torch.empty(x.shape[:-1] + (n,))
-    _LIB["lib"].llmlab_q8_0_gemv(x.data_ptr(), q.data_ptr(), d.data_ptr(), y.data_ptr(),
-                                 x.numel() // k, n, k, torch.get_num_threads())
-    return y
-
-
-def fp8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    n, k = w8.shape
-    y = torch.empty(x.shape[:-1] + (n,))
-    _LIB["lib"].llmlab_fp8_gemv(x.data_ptr(), w8.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                                x.numel() // k, n, k, torch.get_num_threads())
-    return y
-
-
-_FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3}
 
 
 def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
                d: torch.Tensor | None = None, m: torch.Tensor | None = None,
                group_size: int = 32) -> torch.Tensor:
-    """The float32 weight [N, k] from the stored codes (unchecked; the layers' buffers, in the
-    layouts above): bit for bit what :mod:`llmlab.quant.formats` gives, several times faster,
-    for prefill (a float32 GEMM on the whole matrix) and the quality evaluation.
-    fmt: "int8" (codes, scale), "q4" (packed codes, d, m, group_size), "q8_0" (codes, d)
-    or "fp8" (codes, scale)."""
-    n = codes.shape[0]
-    out = torch.empty(n, k)
-    none = codes                                   # any valid pointer for unused arguments
-    ptr = [t.data_ptr() if t is not None else none.data_ptr() for t in (d, m, scale)]
-    _LIB["lib"].llmlab_dequantize(_FORMATS[fmt], codes.data_ptr(), ptr[0], ptr[1], ptr[2],
-                                  out.data_ptr(), n, k, group_size, torch.get_num_threads())
+    """The float32 weight [N, k] from the stored codes: bit for bit what
+    :mod:`llmlab.quant.formats` gives, several times faster, for prefill (a float32 GEMM on
+    the whole matrix) and the quality evaluation."""
+    out = torch.empty(codes.shape[0], k)
+    _LIB["lib"].llmlab_dequantize(FORMATS[fmt], codes.data_ptr(), *_pointers(codes, scale, d, m),
+                                  out.data_ptr(), codes.shape[0], k, group_size,
+                                  torch.get_num_threads())
     return out
 
 
@@ -212,7 +187,7 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if q.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
         raise ValueError(f"q must be int8 [N, K] and scale float32 [N]; got {q.dtype}, "
                          f"{scale.dtype} {tuple(scale.shape)}")
-    return int8_mm(x, q, scale)
+    return gemv("int8", x, q, q.shape[1], scale=scale)
 
 
 def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -230,7 +205,7 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Ten
         raise ValueError(f"packed must be uint8 [{n}, {k // 2}] and d, m float16 "
                          f"[{n}, {k // group_size}]; got {packed.dtype}, {d.dtype} "
                          f"{tuple(d.shape)}, {m.dtype} {tuple(m.shape)}")
-    return q4_mm(x, packed, d, m, group_size)
+    return gemv("q4", x, packed, k, d=d, m=m, group_size=group_size)
 
 
 def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -241,7 +216,7 @@ def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     if k % 32 or q.dtype != torch.int8 or d.dtype != torch.float16 or d.shape != (n, k // 32):
         raise ValueError(f"Q8_0 needs int8 q with K % 32 == 0 and d float16 [{n}, {k // 32}]; "
                          f"got K={k}, {q.dtype}, {d.dtype} {tuple(d.shape)}")
-    return q8_0_mm(x, q, d)
+    return gemv("q8_0", x, q, k, d=d)
 
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -252,4 +227,4 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Te
             or scale.shape != (w8.shape[0],):
         raise ValueError(f"w8 must be float8_e4m3fn [N, K] and scale float32 [N]; got "
                          f"{w8.dtype}, {scale.dtype} {tuple(scale.shape)}")
-    return fp8_mm(x, w8, scale)
+    return gemv("fp8", x, w8, w8.shape[1], scale=scale)

@@ -127,8 +127,8 @@ def test_the_plain_c_loops_agree_with_the_vector_path(tmp_path, monkeypatch):
             x @ formats.q8_0_dequantize(q8, d8).T, x @ formats.fp8_dequantize(w8, s8).T]
 
     def run():
-        return [cpu_gemv.int8_mm(x, q, scale), cpu_gemv.q4_mm(x, packed, d, mn, 32),
-                cpu_gemv.q8_0_mm(x, q8, d8), cpu_gemv.fp8_mm(x, w8, s8)]
+        return [cpu_gemv.int8_gemv(x, q, scale), cpu_gemv.q4_gemv(x, packed, d, mn, 32),
+                cpu_gemv.q8_0_gemv(x, q8, d8), cpu_gemv.fp8_gemv(x, w8, s8)]
 
     fast = run()
     monkeypatch.setitem(cpu_gemv._LIB, "lib", lib)

@@ -61,16 +61,7 @@ class TimingResult:
 def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
             device: torch.device | str | None = None) -> TimingResult:
     """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be >= 1")
-    for _ in range(warmup):
-        fn()
-    res = TimingResult()
-    for _ in range(repeats):
-        with Timer(device) as t:
-            fn()
-        res.times_s.append(t.seconds)
-    return res
+    return time_interleaved({"fn": fn}, repeats, warmup, device)["fn"]
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,

@@ -75,20 +75,10 @@ def _cpu_path(x: torch.Tensor) -> str:
     mode = _KERNELS["mode"]
     if mode != "auto":
         return "torch" if mode == "torch" else "reference"
+    built = x.dtype is torch.float32 and cpu_gemv.available()
     if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:
-        return "dequant"
-    if x.dtype is torch.float32 and x.is_contiguous() and cpu_gemv.available():
-        return "c"
-    return "torch"
-
-
-def _dequantized_matmul(x: torch.Tensor, fmt: str, codes: torch.Tensor, k: int, **stored):
-    """Many rows (prefill): the C dequantizer (the same float32 weight as the reference's,
-    bit for bit, several times faster), then the float32 matmul; None where the C kernels
-    are not built (the caller falls back to the reference)."""
-    if not cpu_gemv.available() or x.dtype is not torch.float32:
-        return None
-    return F.linear(x, cpu_gemv.dequantize(fmt, codes, k, **stored))
+        return "dequant" if built else "reference"
+    return "c" if built and x.is_contiguous() else "torch"
 
 
 def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -123,10 +113,35 @@ class QuantizedLinear(nn.Module):
             return x.dtype is not torch.float32 and _KERNELS["mode"] != "off"
         return _cpu_path(x) == "torch"
 
-    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A kernel's answer (the C decode kernel, PyTorch's packed kernel or, on CUDA,
-        Triton's; see :func:`use_kernels`), or None where the reference is the path."""
+    def c_layout(self) -> tuple[str, torch.Tensor, dict] | None:
+        """(format, codes, other stored tensors) as :mod:`llmlab.kernels.cpu_gemv` takes
+        them, or None where its kernels do not take this layer."""
         return None
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """PyTorch's packed CPU kernel's answer (bfloat16 activations), or None."""
+        return None
+
+    def cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The Triton kernel's answer on CUDA, or None."""
+        return None
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A kernel's answer (see :func:`use_kernels`: the C decode kernel, the C dequantizer
+        and a float32 matmul, PyTorch's packed kernel or, on CUDA, Triton's), or None where
+        the reference is the path."""
+        if x.is_cuda:
+            return self.cuda_forward(x)
+        path = _cpu_path(x)
+        if path == "torch":
+            return self.torch_forward(x)
+        layout = self.c_layout() if path != "reference" else None
+        if layout is None:
+            return None
+        fmt, codes, stored = layout
+        if path == "c":
+            return cpu_gemv.gemv(fmt, x, codes, self.in_features, **stored)
+        return F.linear(x, cpu_gemv.dequantize(fmt, codes, self.in_features, **stored))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _KERNELS["mode"] != "off" and x.device.type in ("cpu", "cuda"):   # CUDA: Triton
@@ -183,16 +198,15 @@ class Int8Linear(QuantizedLinear):
         """Dequantized rows ``ids`` of the weight (the embedding lookup of a tied table)."""
         return self.qweight[ids].float() * self.scale[ids][..., None]
 
-    def kernel_forward(self, x):
-        if x.is_cuda:
-            from ..kernels.quant_gemm import int8_gemm
-            return int8_gemm(x, self.qweight, self.scale).float()
-        path = _cpu_path(x)
+    def c_layout(self):
         b = self._buffers                   # not Module.__getattr__: this runs 120 times a step
-        if path == "c":
-            return cpu_gemv.int8_mm(x, b["qweight"], b["scale"])
-        if path == "dequant":
-            return _dequantized_matmul(x, "int8", b["qweight"], self.in_features, scale=b["scale"])
+        return "int8", b["qweight"], {"scale": b["scale"]}
+
+    def cuda_forward(self, x):
+        from ..kernels.quant_gemm import int8_gemm
+        return int8_gemm(x, self.qweight, self.scale).float()
+
+    def torch_forward(self, x):
         x2, lead = _as_2d(x)
         y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.unit_bf16)
         return torch.mul(y, self.scale).reshape(*lead, self.out_features)
@@ -248,17 +262,18 @@ class GroupLinear(QuantizedLinear):
         sz = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
         self._kernel_weight = (packed, sz.to(torch.bfloat16))
 
-    def kernel_forward(self, x):
-        if x.is_cuda:
-            from ..kernels.quant_gemm import int4_gemm
-            return int4_gemm(x, self.packed_codes, self.d, self.m, self.group_size).float()
-        path, b = _cpu_path(x), self._buffers
-        if self.group_size % 32 == 0 and path != "torch":
-            if path == "c":
-                return cpu_gemv.q4_mm(x, b["packed_codes"], b["d"], b["m"], self.group_size)
-            return _dequantized_matmul(x, "q4", b["packed_codes"], self.in_features, d=b["d"],
-                                       m=b["m"], group_size=self.group_size)
-        if path == "dequant" or self.group_size not in INT4_KERNEL_GROUPS:
+    def c_layout(self):
+        if self.group_size % 32:            # the C kernels read groups of 32 codes at a time
+            return None
+        b = self._buffers
+        return "q4", b["packed_codes"], {"d": b["d"], "m": b["m"], "group_size": self.group_size}
+
+    def cuda_forward(self, x):
+        from ..kernels.quant_gemm import int4_gemm
+        return int4_gemm(x, self.packed_codes, self.d, self.m, self.group_size).float()
+
+    def torch_forward(self, x):
+        if self.group_size not in INT4_KERNEL_GROUPS:
             return None
         if self._kernel_weight is None:
             self._build_kernel_weight()
@@ -311,14 +326,11 @@ class Q8_0Linear(QuantizedLinear):
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self._kernel_weight = (packed, sz.to(torch.bfloat16))
 
-    def kernel_forward(self, x):
-        if x.is_cuda:
-            return None
-        path, b = _cpu_path(x), self._buffers
-        if path == "c":
-            return cpu_gemv.q8_0_mm(x, b["qweight"], b["d"])
-        if path == "dequant":
-            return _dequantized_matmul(x, "q8_0", b["qweight"], self.in_features, d=b["d"])
+    def c_layout(self):
+        b = self._buffers
+        return "q8_0", b["qweight"], {"d": b["d"]}
+
+    def torch_forward(self, x):
         if self._kernel_weight is None:
             self._build_kernel_weight()
         packed, sz = self._kernel_weight
@@ -349,13 +361,9 @@ class FP8Linear(QuantizedLinear):
     def weight_nbytes(self) -> int:
         return self.w8.numel() + self.scale.numel() * 4
 
-    def kernel_forward(self, x):
-        path, b = "cuda" if x.is_cuda else _cpu_path(x), self._buffers
-        if path == "c":
-            return cpu_gemv.fp8_mm(x, b["w8"], b["scale"])
-        if path == "dequant":
-            return _dequantized_matmul(x, "fp8", b["w8"], self.in_features, scale=b["scale"])
-        return None
+    def c_layout(self):
+        b = self._buffers
+        return "fp8", b["w8"], {"scale": b["scale"]}
 
 
 class BF16Linear(QuantizedLinear):
