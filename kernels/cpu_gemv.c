@@ -288,11 +288,20 @@ static void run(gemv_t *g, int nthreads) {
 /* y = x W^T for any of the formats: fmt 0 int8 (scale), 1 q4 (d, m, G), 2 q8_0 (d),
  * 3 fp8 (scale); pointers a format does not use may be anything valid. Returns 0, -1 for
  * a layout this file does not take (see Limits), -2 when the q4 input copy finds no memory. */
+/* The sizes a format takes (see Limits); the group size is what the group formats divide
+ * by, so it is checked here as well as in Python: 0 on a valid layout, -1 otherwise. */
+static int check_layout(int fmt, int M, int N, int K, int G) {
+    if (fmt < FMT_INT8 || fmt > FMT_FP8 || M < 0 || N < 0 || K <= 0) return -1;
+    if (PER_ROW(fmt)) return 0;
+    if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
+    return 0;
+}
+
 int llmlab_gemv(int fmt, const float *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
                 const float *scale, float *y, int M, int N, int K, int G, int nthreads) {
     if (fmt == FMT_Q8_0) G = 32;
+    if (check_layout(fmt, M, N, K, G)) return -1;
     if (PER_ROW(fmt)) G = 1;
-    else if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
     size_t groups = PER_ROW(fmt) ? 0 : (size_t)K / G;
     gemv_t g = {x, w, d, m, scale, 0, y, M, N, K, G, fmt,
                 fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K, groups, 0};
@@ -324,9 +333,12 @@ int llmlab_gemv(int fmt, const float *x, const uint8_t *w, const uint16_t *d, co
  * W [N, K] float32 from any of the formats, for many rows of x (prefill), where a float32
  * GEMM on the whole matrix beats re-widening the codes per row. Products and sums are
  * rounded separately (no FMA; built with -ffp-contract=off), so W is bit for bit what
- * llmlab.quant.formats' PyTorch dequantizers give. */
-void llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m,
-                       const float *scale, float *out, int N, int K, int G, int nthreads) {
+ * llmlab.quant.formats' PyTorch dequantizers give. Returns 0, or -1 for a layout this file
+ * does not take (see Limits; a group size that does not divide K, or 0). */
+int llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                      const float *scale, float *out, int N, int K, int G, int nthreads) {
+    if (fmt == FMT_Q8_0) G = 32;
+    if (check_layout(fmt, 0, N, K, G)) return -1;
     size_t row_bytes = fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K;
     size_t groups = fmt == FMT_Q4 ? (size_t)K / G : fmt == FMT_Q8_0 ? (size_t)K / 32 : 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -373,6 +385,7 @@ void llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint1
             }
         }
     }
+    return 0;
 }
 
 /* which path this build took: 8 = AVX2/FMA/F16C lanes, 1 = plain C */

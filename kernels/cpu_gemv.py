@@ -10,13 +10,23 @@ the dequantized weight up to the order of the additions. ``dequantize`` writes t
 weight itself, bit for bit what :mod:`llmlab.quant.formats` gives, for many rows (prefill).
 
 Built on first use with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``), as ``-O3 -march=native -ffp-contract=off -fopenmp``, into ``$LLMLAB_CACHE`` (default ``~/.cache/llmlab``) under a
-name keyed by the source, the compiler and the CPU, then loaded with ctypes. OpenMP binds
-to the runtime torch has already loaded, so these loops share torch's threads
+``clang``), as ``-O3 -march=native -ffp-contract=off -fopenmp``, into ``kernels/`` under
+``$LLMLAB_CACHE`` (default ``~/.cache/llmlab``), under a name keyed by the source, the
+compiler and the CPU, then loaded with ctypes. Loading a shared library runs its code, so
+the cache trusts nothing it did not build: the directory is created private (0700), and a
+cached library is loaded only when it and its directory belong to the current user and
+nobody else may write them; otherwise it is rebuilt (in a fresh private directory if the
+cache directory itself is another user's). The compiler gets ``COMPILE_TIMEOUT_S``.
+OpenMP binds to the runtime torch has already loaded, so these loops share torch's threads
 (``torch.get_num_threads()``). Where no compiler works, :func:`available` is False and
 the callers keep PyTorch's kernels. ``LLMLAB_CPU_GEMV=0`` turns the kernels off.
 
     x [M, K] float32 (any M; meant for M <= 8)  ->  y [M, N] float32
+
+:func:`gemv` and :func:`dequantize` check every tensor (dtype, shape, contiguity, device)
+and say which one is wrong; ``_gemv`` and ``_dequantize`` skip the checks, for the
+quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
+construction and which call them about 120 times per decode step.
 
 Taught in notebook 08.
 """
@@ -27,6 +37,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,6 +45,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
+COMPILE_TIMEOUT_S = 120.0           # a compiler that hangs must not hang the first decode step
 _LIB: dict[str, object] = {}        # "lib": the loaded library or None, "error": why not
 
 
@@ -54,30 +66,86 @@ def _compiler() -> str | None:
     return None
 
 
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd)}: no answer within {COMPILE_TIMEOUT_S:g} s "
+                           "(COMPILE_TIMEOUT_S)") from None
+
+
+def _untrusted(st: os.stat_result, what: str) -> str | None:
+    """Why a file or directory that we are about to trust is not ours alone, or None.
+    Another user who owns it, or may write it, could put code in the library we load."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by its group or by others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _cache_dir() -> Path:
+    """The private directory the libraries are built in: ``$LLMLAB_CACHE/kernels``,
+    created 0700. If it exists but is not ours alone, and we own it, its mode is
+    tightened; if another user owns it (or it is not a directory), a fresh private
+    temporary directory is used instead (the library is then rebuilt by every process)."""
+    root = Path(os.environ.get("LLMLAB_CACHE", Path.home() / ".cache" / "llmlab"))
+    path = root / "kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and _untrusted(st, "") is not None \
+                and hasattr(os, "getuid") and st.st_uid == os.getuid():
+            os.chmod(path, 0o700)
+            st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and _untrusted(st, "") is None:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="llmlab-kernels-"))
+
+
+def _trusted_library(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link) that this user owns and nobody
+    else may write: only then is a cached build loaded."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and _untrusted(st, str(path)) is None
+
+
 def _build(cc: str, native: bool = True) -> Path:
     """The shared library, compiled once per source, compiler and CPU. ``native=False``
-    builds for the generic target (no AVX2 on x86-64: the plain C loops), for tests."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    builds for the generic target (no AVX2 on x86-64: the plain C loops), for tests.
+    A cached file that is not trusted (see :func:`_trusted_library`) is rebuilt."""
+    version = _run([cc, "--version"]).stdout
     src = SOURCE.read_bytes()
     arch = ["-march=native"] if native else []
     key = hashlib.sha256(src + version.encode() + _cpu_id().encode() + bytes(native)).hexdigest()[:16]
-    cache = Path(os.environ.get("LLMLAB_CACHE", Path.home() / ".cache" / "llmlab"))
+    cache = _cache_dir()
     out = cache / f"cpu_gemv-{key}.so"
-    if out.exists():
+    if _trusted_library(out):
         return out
-    cache.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in (["-fopenmp"], []):               # without OpenMP (e.g. Apple clang): 1 thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         cmd = [cc, "-O3", *arch, "-ffp-contract=off", "-shared", "-fPIC", *flags, str(SOURCE),
                "-o", tmp]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode == 0:
-            os.replace(tmp, out)                    # atomic: a concurrent build is harmless
-            return out
-        os.unlink(tmp)
-        errors.append(f"{' '.join(cmd)}: {run.stderr.strip()[-500:]}")
+        try:
+            run = _run(cmd)
+            if run.returncode == 0:
+                os.chmod(tmp, 0o700)                # whatever the umask: ours alone
+                os.replace(tmp, out)                # atomic: a concurrent build is harmless
+                return out
+            errors.append(f"{' '.join(cmd)}: {run.stderr.strip()[-500:]}")
+        except RuntimeError as e:                  # the compiler timed out
+            errors.append(str(e))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     raise RuntimeError("\n".join(errors))
 
 
@@ -105,7 +173,7 @@ def _open(path: Path):
     lib.llmlab_gemv.argtypes = [i, p, p, p, p, p, p, i, i, i, i, i]
     lib.llmlab_gemv.restype = i
     lib.llmlab_dequantize.argtypes = [i, p, p, p, p, p, i, i, i, i]
-    lib.llmlab_dequantize.restype = None
+    lib.llmlab_dequantize.restype = i
     lib.llmlab_vector_width.restype = i
     return lib
 
@@ -124,21 +192,15 @@ def describe() -> str:
     return f"CPU GEMV kernels: {'AVX2+FMA, 8 float32 lanes' if width == 8 else 'plain C loops'}"
 
 
-def _check(x: torch.Tensor, k: int) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU matrix [M, {k}]; got {x.device.type} {tuple(x.shape)}")
-    if _load() is None:
+def _library():
+    lib = _load()
+    if lib is None:
         raise RuntimeError(describe())
-    return x.float().contiguous()
-
-
-def _contiguous(*ts: torch.Tensor) -> None:
-    for t in ts:
-        if not t.is_contiguous():
-            raise ValueError("quantized weights must be contiguous")
+    return lib
 
 
 FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3}    # the C file's format numbers
+_C_INT_MAX = 2**31 - 1                                  # the C functions take int sizes
 
 
 def _pointers(codes, scale, d, m) -> list[int]:
@@ -146,17 +208,92 @@ def _pointers(codes, scale, d, m) -> list[int]:
     return [(codes if t is None else t).data_ptr() for t in (d, m, scale)]
 
 
-# The unchecked calls, for the layers of llmlab.quant.linear, which hold valid contiguous
-# weights in the layouts of cpu_gemv.c: fmt "int8" (codes, scale), "q4" (packed codes, d, m,
-# group_size), "q8_0" (codes, d) or "fp8" (codes, scale). A decode step makes about 120
-# gemv calls, so they only allocate y and call C.
+def _expect(name: str, t, dtype: torch.dtype, shape: tuple[int, ...], fmt: str) -> None:
+    """ValueError naming the tensor, what it is and what ``fmt`` needs, unless ``t`` is a
+    contiguous CPU tensor of ``dtype`` and ``shape``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{fmt}: {name} must be a {dtype} tensor {list(shape)}; "
+                         f"got {type(t).__name__}")
+    if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
+        raise ValueError(f"{fmt}: {name} must be a CPU {dtype} tensor {list(shape)}; got "
+                         f"{t.device.type} {t.dtype} {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fmt}: {name} {list(shape)} must be contiguous (row-major); "
+                         f"got strides {t.stride()}")
+
+
+def _check_layout(fmt: str, codes: torch.Tensor, k: int, scale, d, m, group_size: int) -> None:
+    """The stored weight of ``fmt`` for an input size ``k`` (cpu_gemv.c's Layouts):
+    ValueError naming the first tensor or number that does not fit, and what would."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r}; allowed: {list(FORMATS)}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= _C_INT_MAX:
+        raise ValueError(f"k={k!r} must be an int in 1..{_C_INT_MAX}")
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        got = list(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise ValueError(f"{fmt}: codes must be a matrix [N, ...]; got {got}")
+    n = codes.shape[0]
+    if not 0 < n <= _C_INT_MAX:
+        raise ValueError(f"{fmt}: codes has N={n} rows; allowed 1..{_C_INT_MAX}")
+    if fmt in ("int8", "fp8"):
+        _expect("codes", codes, torch.int8 if fmt == "int8" else torch.float8_e4m3fn, (n, k), fmt)
+        _expect("scale", scale, torch.float32, (n,), fmt)
+    elif fmt == "q8_0":
+        if k % 32:
+            raise ValueError(f"q8_0: k={k} must be a multiple of 32 (its blocks of 32 inputs)")
+        _expect("codes", codes, torch.int8, (n, k), fmt)
+        _expect("d", d, torch.float16, (n, k // 32), fmt)
+    else:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) \
+                or group_size <= 0 or group_size % 32 or k % group_size:
+            raise ValueError(f"q4: group_size={group_size!r} must be a multiple of 32 that "
+                             f"divides k={k}")
+        _expect("codes", codes, torch.uint8, (n, k // 2), fmt)
+        _expect("d", d, torch.float16, (n, k // group_size), fmt)
+        _expect("m", m, torch.float16, (n, k // group_size), fmt)
+
 
 def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
          scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
          m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
-    """y [..., N] = x [..., k] · Wᵀ; x float32 and contiguous, any leading dims."""
+    """y [..., N] = x [..., k] · Wᵀ for W stored as ``fmt`` ("int8": codes, scale; "q4":
+    packed codes, d, m, group_size; "q8_0": codes, d; "fp8": codes, scale; the layouts
+    of cpu_gemv.c). x: a contiguous float32 CPU tensor, any leading dims. Every tensor
+    is checked; a ValueError names the one that does not fit and what would."""
+    _check_layout(fmt, codes, k, scale, d, m, group_size)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k \
+            or x.dtype != torch.float32 or x.device.type != "cpu":
+        got = (f"{x.device.type} {x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor)
+               else type(x).__name__)
+        raise ValueError(f"{fmt}: x must be a CPU float32 tensor [..., {k}]; got {got}")
+    if not x.is_contiguous():
+        raise ValueError(f"{fmt}: x {list(x.shape)} must be contiguous; got strides {x.stride()}")
+    if x.numel() // k > _C_INT_MAX:
+        raise ValueError(f"{fmt}: x has {x.numel() // k} rows; allowed 1..{_C_INT_MAX}")
+    _library()
+    return _gemv(fmt, x, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+
+
+def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
+               d: torch.Tensor | None = None, m: torch.Tensor | None = None,
+               group_size: int = 32) -> torch.Tensor:
+    """The float32 weight [N, k] from the stored codes: bit for bit what
+    :mod:`llmlab.quant.formats` gives, several times faster, for prefill (a float32 GEMM on
+    the whole matrix) and the quality evaluation. Checked as :func:`gemv`."""
+    _check_layout(fmt, codes, k, scale, d, m, group_size)
+    _library()
+    return _dequantize(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+
+
+# The unchecked calls: only for callers whose tensors are valid by construction (the layers
+# of llmlab.quant.linear). A wrong dtype, shape or stride here reads or writes out of bounds.
+
+def _gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
+          scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
+          m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
+    """:func:`gemv` without its checks: it only allocates y and calls C."""
     n = codes.shape[0]
-    y = torch.empty(x.shape[:-1] + (n,))
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
     rc = _LIB["lib"].llmlab_gemv(FORMATS[fmt], x.data_ptr(), codes.data_ptr(),
                                  *_pointers(codes, scale, d, m), y.data_ptr(), x.numel() // k,
                                  n, k, group_size, torch.get_num_threads())
@@ -167,27 +304,32 @@ def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
     return y
 
 
-def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
-               d: torch.Tensor | None = None, m: torch.Tensor | None = None,
-               group_size: int = 32) -> torch.Tensor:
-    """The float32 weight [N, k] from the stored codes: bit for bit what
-    :mod:`llmlab.quant.formats` gives, several times faster, for prefill (a float32 GEMM on
-    the whole matrix) and the quality evaluation."""
-    out = torch.empty(codes.shape[0], k)
-    _LIB["lib"].llmlab_dequantize(FORMATS[fmt], codes.data_ptr(), *_pointers(codes, scale, d, m),
-                                  out.data_ptr(), codes.shape[0], k, group_size,
-                                  torch.get_num_threads())
+def _dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
+                d: torch.Tensor | None = None, m: torch.Tensor | None = None,
+                group_size: int = 32) -> torch.Tensor:
+    """:func:`dequantize` without its checks."""
+    out = torch.empty(codes.shape[0], k, dtype=torch.float32)
+    rc = _LIB["lib"].llmlab_dequantize(FORMATS[fmt], codes.data_ptr(),
+                                       *_pointers(codes, scale, d, m), out.data_ptr(),
+                                       codes.shape[0], k, group_size, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"{fmt} dequantize refused codes {tuple(codes.shape)}, k={k}, "
+                         f"group_size={group_size} (code {rc})")
     return out
+
+
+def _input(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as the kernels take it: a float32 contiguous CPU matrix [M, k]."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k \
+            or x.device.type != "cpu":
+        got = f"{x.device.type} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a CPU matrix [M, {k}]; got {got}")
+    return x.float().contiguous()
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x · (q · scale[:, None])ᵀ; q [N, K] int8, scale [N] float32."""
-    x = _check(x, q.shape[1])
-    _contiguous(q, scale)
-    if q.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
-        raise ValueError(f"q must be int8 [N, K] and scale float32 [N]; got {q.dtype}, "
-                         f"{scale.dtype} {tuple(scale.shape)}")
-    return gemv("int8", x, q, q.shape[1], scale=scale)
+    return gemv("int8", _input(x, q.shape[1]), q, q.shape[1], scale=scale)
 
 
 def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -195,36 +337,15 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Ten
     """y = x · Wᵀ with W[n, k] = code[n, k] · d[n, g] + m[n, g], g = k // group_size;
     packed [N, K/2] uint8 (code 2j low nibble, 2j+1 high), d and m [N, K/group_size] float16.
     group_size must be a multiple of 32 dividing K."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    x = _check(x, k)
-    _contiguous(packed, d, m)
-    if group_size <= 0 or group_size % 32 or k % group_size:
-        raise ValueError(f"group_size={group_size} must be a multiple of 32 that divides K={k}")
-    if d.dtype != torch.float16 or m.dtype != torch.float16 or d.shape != (n, k // group_size) \
-            or m.shape != d.shape or packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be uint8 [{n}, {k // 2}] and d, m float16 "
-                         f"[{n}, {k // group_size}]; got {packed.dtype}, {d.dtype} "
-                         f"{tuple(d.shape)}, {m.dtype} {tuple(m.shape)}")
-    return gemv("q4", x, packed, k, d=d, m=m, group_size=group_size)
+    k = packed.shape[1] * 2
+    return gemv("q4", _input(x, k), packed, k, d=d, m=m, group_size=group_size)
 
 
 def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """y = x · Wᵀ with W[n, k] = q[n, k] · d[n, k // 32]; q [N, K] int8, d [N, K/32] float16."""
-    n, k = q.shape
-    x = _check(x, k)
-    _contiguous(q, d)
-    if k % 32 or q.dtype != torch.int8 or d.dtype != torch.float16 or d.shape != (n, k // 32):
-        raise ValueError(f"Q8_0 needs int8 q with K % 32 == 0 and d float16 [{n}, {k // 32}]; "
-                         f"got K={k}, {q.dtype}, {d.dtype} {tuple(d.shape)}")
-    return gemv("q8_0", x, q, k, d=d)
+    return gemv("q8_0", _input(x, q.shape[1]), q, q.shape[1], d=d)
 
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x · (w8 · scale[:, None])ᵀ; w8 [N, K] float8_e4m3fn (finite), scale [N] float32."""
-    x = _check(x, w8.shape[1])
-    _contiguous(w8, scale)
-    if w8.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 \
-            or scale.shape != (w8.shape[0],):
-        raise ValueError(f"w8 must be float8_e4m3fn [N, K] and scale float32 [N]; got "
-                         f"{w8.dtype}, {scale.dtype} {tuple(scale.shape)}")
-    return gemv("fp8", x, w8, w8.shape[1], scale=scale)
+    return gemv("fp8", _input(x, w8.shape[1]), w8, w8.shape[1], scale=scale)

@@ -1,8 +1,11 @@
 """llmlab.kernels.cpu_gemv: the C decode kernels against the dequantize-then-matmul reference,
-at ragged sizes, several row counts and thread counts; a wrong layout is caught."""
+at ragged sizes, several row counts and thread counts; a wrong layout is caught (in Python,
+and the group size in C too); the build cache loads only a library it built itself."""
 from __future__ import annotations
 
+import os
 import platform
+import stat
 
 import pytest
 import torch
@@ -103,9 +106,57 @@ def test_bad_shapes_are_refused_with_the_values():
     d = torch.zeros(4, 2).half()
     with pytest.raises(ValueError, match="group_size=48"):
         cpu_gemv.q4_gemv(torch.zeros(1, 96), packed, d, d, 48)
-    with pytest.raises(ValueError, match="K % 32"):
+    with pytest.raises(ValueError, match="k=40 must be a multiple of 32"):
         cpu_gemv.q8_0_gemv(torch.zeros(1, 40), torch.zeros(4, 40, dtype=torch.int8),
                            torch.zeros(4, 1).half())
+
+
+def _int8_layout(n=4, k=64):
+    return torch.zeros(n, k, dtype=torch.int8), torch.ones(n)
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(fmt="int4"), r"fmt='int4'; allowed: \['int8', 'q4', 'q8_0', 'fp8'\]"),
+    (dict(x=torch.zeros(2, 64, dtype=torch.float64)), r"x must be a CPU float32 tensor \[\.\.\., 64\]; got cpu torch.float64"),
+    (dict(x=torch.zeros(64, 2).T), r"x \[2, 64\] must be contiguous"),
+    (dict(x=torch.zeros(2, 63)), r"x must be a CPU float32 tensor \[\.\.\., 64\]; got cpu torch.float32 \[2, 63\]"),
+    (dict(codes=torch.zeros(4, 64, dtype=torch.uint8)), r"int8: codes must be a CPU torch.int8 tensor \[4, 64\]; got cpu torch.uint8"),
+    (dict(codes=torch.zeros(64, 4, dtype=torch.int8).T), r"int8: codes must be a CPU torch.int8 tensor \[4, 64\]; got cpu torch.int8 \[4, 64\]|must be contiguous"),
+    (dict(scale=torch.ones(4, dtype=torch.float64)), r"int8: scale must be a CPU torch.float32 tensor \[4\]; got cpu torch.float64"),
+    (dict(scale=torch.ones(3)), r"scale must be a CPU torch.float32 tensor \[4\]; got cpu torch.float32 \[3\]"),
+    (dict(scale=None), r"scale must be a torch.float32 tensor \[4\]; got NoneType"),
+    (dict(k=0), r"k=0 must be an int in 1\.\."),
+])
+def test_the_checked_gemv_names_what_is_wrong(case, match):
+    q, scale = _int8_layout()
+    args = dict(fmt="int8", x=torch.zeros(2, 64), codes=q, k=64, scale=scale)
+    args.update(case)
+    fmt, x, codes, k = args.pop("fmt"), args.pop("x"), args.pop("codes"), args.pop("k")
+    with pytest.raises(ValueError, match=match):
+        cpu_gemv.gemv(fmt, x, codes, k, **args)
+
+
+def test_the_checked_calls_take_what_the_layers_store():
+    q, scale = _int8_layout()
+    x = torch.randn(3, 64)
+    assert torch.equal(cpu_gemv.gemv("int8", x, q, 64, scale=scale),
+                       cpu_gemv._gemv("int8", x, q, 64, scale=scale))
+    packed, d = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 3).half()
+    with pytest.raises(ValueError, match=r"q4: m must be a CPU torch.float16 tensor \[4, 3\]"):
+        cpu_gemv.dequantize("q4", packed, 96, d=d, m=d[:, :2], group_size=32)
+    with pytest.raises(ValueError, match="q4: group_size=0 must be a multiple of 32"):
+        cpu_gemv.dequantize("q4", packed, 96, d=d, m=d, group_size=0)
+    assert cpu_gemv.dequantize("q4", packed, 96, d=d, m=d, group_size=32).shape == (4, 96)
+
+
+@pytest.mark.parametrize("group_size", [0, -32, 48, 64])       # 64 does not divide K = 96
+def test_the_c_functions_refuse_a_bad_group_size_themselves(group_size):
+    # past the Python checks (the unchecked calls): C must not divide by 0 or read past d
+    packed, d = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 3).half()
+    with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
+        cpu_gemv._dequantize("q4", packed, 96, d=d, m=d, group_size=group_size)
+    with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
+        cpu_gemv._gemv("q4", torch.zeros(1, 96), packed, 96, d=d, m=d, group_size=group_size)
 
 
 def _every_format(w: torch.Tensor):
@@ -170,3 +221,60 @@ def test_dequantize_is_bit_for_bit_the_pytorch_formats():
     # int8 with K not a multiple of 16 (the scalar tail)
     q7, s7 = formats.int8_quantize(torch.randn(5, 21, generator=g))
     assert torch.equal(cpu_gemv.dequantize("int8", q7, 21, scale=s7), formats.int8_dequantize(q7, s7))
+
+
+# -- the build cache: load only what this user built -----------------------------------------
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_the_cache_loads_only_a_library_this_user_owns_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
+    cc = cpu_gemv._compiler()
+    lib = cpu_gemv._build(cc, native=False)
+    cache = tmp_path / "kernels"
+    assert lib.parent == cache and _mode(cache) == 0o700
+    assert _mode(lib) & 0o022 == 0 and os.lstat(lib).st_uid == os.getuid()
+    built = os.lstat(lib).st_ino
+    assert cpu_gemv._build(cc, native=False) == lib and os.lstat(lib).st_ino == built   # cached
+
+    os.chmod(lib, 0o777)                          # anyone could have swapped its code
+    assert cpu_gemv._build(cc, native=False) == lib
+    assert os.lstat(lib).st_ino != built and _mode(lib) & 0o022 == 0         # rebuilt
+
+    planted = tmp_path / "planted.so"             # a link to a library someone else chose
+    planted.write_bytes(lib.read_bytes())
+    lib.unlink()
+    lib.symlink_to(planted)
+    assert cpu_gemv._build(cc, native=False) == lib and not lib.is_symlink()
+
+    os.chmod(cache, 0o777)                        # the directory too: tightened before use
+    cpu_gemv._build(cc, native=False)
+    assert _mode(cache) == 0o700
+    assert cpu_gemv._open(lib).llmlab_vector_width() in (1, 8)
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="giving a file to another user needs root")
+def test_the_cache_rebuilds_a_library_another_user_owns(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path))
+    cc = cpu_gemv._compiler()
+    lib = cpu_gemv._build(cc, native=False)
+    os.chown(lib, 65534, 65534)
+    assert cpu_gemv._build(cc, native=False) == lib and os.lstat(lib).st_uid == 0
+    # a cache directory that belongs to someone else is not used at all
+    os.chown(tmp_path / "kernels", 65534, 65534)
+    elsewhere = cpu_gemv._build(cc, native=False)
+    assert elsewhere.parent != tmp_path / "kernels" and _mode(elsewhere.parent) == 0o700
+
+
+def test_a_compiler_that_hangs_is_stopped(tmp_path, monkeypatch):
+    hang = tmp_path / "cc"
+    hang.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo hanging-cc; exit 0; fi\n'
+                    "exec sleep 30\n")
+    hang.chmod(0o755)
+    monkeypatch.setenv("LLMLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_gemv, "COMPILE_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match=r"no answer within 0.5 s"):
+        cpu_gemv._build(str(hang), native=False)
+    assert not [p for p in (tmp_path / "cache" / "kernels").iterdir()]    # no half-written file

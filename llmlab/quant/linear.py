@@ -140,8 +140,8 @@ class QuantizedLinear(nn.Module):
             return None
         fmt, codes, stored = layout
         if path == "c":
-            return cpu_gemv.gemv(fmt, x, codes, self.in_features, **stored)
-        return F.linear(x, cpu_gemv.dequantize(fmt, codes, self.in_features, **stored))
+            return cpu_gemv._gemv(fmt, x, codes, self.in_features, **stored)
+        return F.linear(x, cpu_gemv._dequantize(fmt, codes, self.in_features, **stored))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _KERNELS["mode"] != "off" and x.device.type in ("cpu", "cuda"):   # CUDA: Triton
