@@ -3,6 +3,9 @@ from .flops import (attention_bytes, attention_flops, linear_bytes, linear_flops
                     model_flops_per_token, weight_bytes)
 from .memory import MemoryResult, peak_memory
 from .metrics import RequestMetrics, summarize
+from .overhead import (ModelledStep, OpCount, OverheadBreakdown, OverheadModel, OverheadPoint,
+                       count_ops, make_decode_step, measure_decode_point, measure_op_overhead,
+                       modelled_decode_step, step_breakdown)
 from .roofline import (Ceilings, Cost, RooflinePoint, decode_cost, forward_cost,
                        measure_bandwidth, measure_ceilings, measure_matmul_flops, prefill_cost)
 from .timer import Timer, time_fn, time_interleaved
@@ -11,4 +14,6 @@ __all__ = ["Timer", "time_fn", "time_interleaved", "peak_memory", "MemoryResult"
            "linear_flops", "linear_bytes", "attention_flops", "attention_bytes",
            "model_flops_per_token", "weight_bytes", "Ceilings", "Cost", "RooflinePoint",
            "measure_bandwidth", "measure_matmul_flops", "measure_ceilings", "forward_cost",
-           "prefill_cost", "decode_cost"]
+           "prefill_cost", "decode_cost", "OpCount", "count_ops", "measure_op_overhead",
+           "OverheadBreakdown", "step_breakdown", "OverheadModel", "ModelledStep",
+           "modelled_decode_step", "OverheadPoint", "measure_decode_point", "make_decode_step"]

@@ -1,0 +1,436 @@
+"""Overhead: how many operators one step calls, what each call costs, and the time outside
+the matrix multiplies. Taught in notebook 11.
+
+A float32 decode step of a small model moves its weights once (a memory-roof time) but
+also makes hundreds of eager operator calls, each paying Python, the dispatcher and an
+allocation whatever its size. The *overhead roofline* adds the second cost to the first::
+
+    step time ≈ max(bytes / bandwidth, FLOPs / peak) + ops · t_op
+
+with the two roofs measured by :func:`llmlab.profiling.roofline.measure_ceilings`, ``ops``
+counted by :func:`count_ops` and ``t_op`` (the cost of one tiny eager op) measured by
+:func:`measure_op_overhead`. The formula is a *model*; :func:`step_breakdown` measures.
+
+What the counter sees. :func:`count_ops` runs the function once under ``torch.profiler``
+(the dispatcher's RecordFunction hook) and counts the *top-level* operator calls: each
+``aten::``/``llmlab::``/... op entered from Python or from compiled wrapper code, not the
+ops an operator calls inside its own kernel (``aten::linear`` counts once, not also its
+``aten::t`` and ``aten::mm``). That is the number of times a step crosses from Python
+into the dispatcher. A ``TorchDispatchMode`` would not do: an active one makes
+``torch.compile`` fall back to eager, and outside ``inference_mode`` it decomposes
+composite ops (SDPA into its math form), changing what it measures. For a function
+compiled by Inductor the profiler sees what actually crosses the dispatcher at run time:
+the extern kernels (``aten::mm``/``aten::addmm``, custom ops such as ``llmlab::...``) and
+allocations (``aten::empty_strided``); the fused C++/Triton kernels Inductor generates are
+called directly and are not operators, so a fused graph counts few ops. A kernel called
+through ``ctypes`` is not an operator either: its time shows up as "outside".
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..device import default_device, sync
+from .roofline import Ceilings, decode_cost, measure_ceilings
+from .timer import time_fn
+
+#: Operators whose time counts as "inside the matrix multiplies" (names without namespace;
+#: every op of the ``llmlab`` namespace counts too: the C decode kernels as custom ops).
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm",
+                        "_weight_int8pack_mm", "_weight_int4pack_mm",
+                        "_weight_int4pack_mm_for_cpu"})
+MATMUL_NAMESPACES = frozenset({"llmlab"})
+#: Namespaces of operators (profiler events named ``namespace::name``).
+OP_NAMESPACES = frozenset({"aten", "prims", "llmlab", "quantized", "_c10d_functional",
+                           "c10d", "inductor"})
+
+
+def is_op(name: str) -> bool:
+    """True when a profiler event name is a dispatcher operator (``aten::add``, ``llmlab::gemv``)."""
+    ns, sep, op = name.partition("::")
+    return bool(sep) and ns in OP_NAMESPACES and bool(op)
+
+
+def is_matmul(name: str) -> bool:
+    """True for a matmul-like operator name (``aten::mm``, ``aten::linear``, ``llmlab::*``)."""
+    ns, sep, op = name.partition("::")
+    return bool(sep) and (ns in MATMUL_NAMESPACES or (ns == "aten" and op in MATMUL_OPS))
+
+
+@dataclass
+class OpCount:
+    """The operator calls of one run of a function.
+
+    ``total``: top-level operator calls (Python → dispatcher crossings); ``by_name``: the
+    same calls by operator name (``"aten::add"``); ``matmul``: the matmul-like subset by
+    name; ``nested_total``: every operator call, those made inside other operators too.
+    """
+    total: int
+    by_name: Counter = field(default_factory=Counter)
+    matmul: Counter = field(default_factory=Counter)
+    nested_total: int = 0
+
+    @property
+    def matmul_calls(self) -> int:
+        """Top-level matmul-like calls."""
+        return sum(self.matmul.values())
+
+    @property
+    def other_calls(self) -> int:
+        """Top-level calls that are not matmul-like (norms, RoPE, attention, views, copies)."""
+        return self.total - self.matmul_calls
+
+    def __repr__(self) -> str:
+        return (f"OpCount(total={self.total}, matmul={self.matmul_calls}, "
+                f"other={self.other_calls}, nested_total={self.nested_total})")
+
+
+@contextlib.contextmanager
+def _profiled():
+    from torch.profiler import ProfilerActivity, profile
+
+    from .breakdown import _native_stderr_silenced
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with _native_stderr_silenced(), profile(activities=acts) as prof:
+        yield prof
+
+
+def _op_parent(ev):
+    """The nearest enclosing operator event of ``ev``, or None."""
+    p = ev.cpu_parent
+    while p is not None and not is_op(p.name):
+        p = p.cpu_parent
+    return p
+
+
+def _top_level_ops(events) -> list:
+    return [ev for ev in events if is_op(ev.name) and _op_parent(ev) is None]
+
+
+def _count(events) -> OpCount:
+    ops = [ev for ev in events if is_op(ev.name)]
+    top = [ev for ev in ops if _op_parent(ev) is None]
+    by_name = Counter(ev.name for ev in top)
+    matmul = Counter({k: v for k, v in by_name.items() if is_matmul(k)})
+    return OpCount(len(top), by_name, matmul, len(ops))
+
+
+def count_ops(fn: Callable, *args, **kwargs) -> OpCount:
+    """Run ``fn(*args, **kwargs)`` once and count its operator calls (see the module
+    docstring for what is seen). Works inside ``torch.inference_mode()`` and for a
+    ``torch.compile``d ``fn`` (run it once before, so that compiling is not counted).
+
+    >>> count_ops(lambda a, b: (a + 1) + (a @ b) + 2, x, y).total   # 3 adds, 1 matmul
+    4
+    """
+    with _profiled() as prof:
+        fn(*args, **kwargs)
+        sync()
+    return _count(prof.events())
+
+
+def measure_op_overhead(calls: int = 2000, rounds: int = 7, warmup: int = 1,
+                        inference: bool = True, device=None) -> float:
+    """t_op: seconds one tiny eager operator costs on this machine.
+
+    Times ``calls`` back-to-back ``x + x`` on a 1-element tensor (the Python call, the
+    dispatcher, the output's allocation and a trivial kernel; on a GPU the launch) and
+    divides by ``calls``; returns the median of ``rounds`` rounds after ``warmup`` rounds.
+    ``inference``: run under ``torch.inference_mode()`` as the decode steps do (no
+    autograd bookkeeping).
+    """
+    if calls < 1 or rounds < 5:
+        raise ValueError(f"calls={calls} must be >= 1 and rounds={rounds} >= 5 "
+                         "(a median of at least five)")
+    dev = torch.device(device) if device is not None else default_device()
+    ctx = torch.inference_mode() if inference else contextlib.nullcontext()
+    with ctx:
+        x = torch.ones(1, device=dev)
+
+        def one_round() -> float:
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                x + x
+            sync(dev)
+            return (time.perf_counter() - t0) / calls
+
+        for _ in range(warmup):
+            one_round()
+        return statistics.median(one_round() for _ in range(rounds))
+
+
+@dataclass
+class OverheadBreakdown:
+    """One step's wall time split into matrix multiplies and everything else (seconds).
+
+    ``median_s``, ``min_s``, ``max_s``: wall time of ``repeats`` unprofiled runs after a
+    warm-up. ``matmul_s``: median time inside the matmul-like operators, measured in
+    separate profiled runs. ``outside_s = median_s - matmul_s``, so the two parts add up
+    to the wall time; "outside" is Python, the dispatcher, allocations, and every small op
+    (norms, RoPE, attention, cache writes, elementwise), on a GPU also launch gaps.
+    ``profiled_s``: median wall time of the profiled runs (how much profiling slowed the
+    step; not used in the split). ``ops``: the operator count of one profiled run.
+    """
+    median_s: float
+    min_s: float
+    max_s: float
+    matmul_s: float
+    profiled_s: float
+    ops: OpCount
+    times_s: list[float] = field(default_factory=list)
+
+    @property
+    def outside_s(self) -> float:
+        return self.median_s - self.matmul_s
+
+    @property
+    def outside_share(self) -> float:
+        """Fraction of the step spent outside the matmuls."""
+        return self.outside_s / self.median_s
+
+    def __repr__(self) -> str:
+        return (f"OverheadBreakdown(median={self.median_s * 1e3:.2f} ms "
+                f"[{self.min_s * 1e3:.2f}–{self.max_s * 1e3:.2f}], "
+                f"matmul={self.matmul_s * 1e3:.2f} ms, outside={self.outside_s * 1e3:.2f} ms, "
+                f"ops={self.ops.total})")
+
+
+def _matmul_seconds(events, on_cuda: bool) -> float:
+    """Time in the innermost matmul-like operators (a linear's mm, not the linear around
+    it: the layers of dispatch between them count as overhead)."""
+    total_us = 0.0
+    for ev in events:
+        if not is_matmul(ev.name):
+            continue
+        inner = any(is_matmul(ch.name) for ch in _descendants(ev))
+        if inner:
+            continue
+        us = ev.cpu_time_total
+        if on_cuda:
+            us = max(us, getattr(ev, "device_time_total", 0.0))
+        total_us += us
+    return total_us / 1e6
+
+
+def _descendants(ev):
+    stack = list(ev.cpu_children)
+    while stack:
+        ch = stack.pop()
+        yield ch
+        stack.extend(ch.cpu_children)
+
+
+def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                   profiled_repeats: int = 3, device=None) -> OverheadBreakdown:
+    """Time ``fn()`` and split its wall time into matmuls and the rest (see
+    :class:`OverheadBreakdown`).
+
+    The wall time comes from ``repeats`` runs without the profiler (after ``warmup``
+    runs), so the profiler's own cost does not enter it; then ``profiled_repeats`` runs
+    under ``torch.profiler`` give the time inside the innermost matmul-like operators
+    (CPU time; on CUDA their device time), whose median is subtracted. ``fn`` is
+    responsible for its own ``inference_mode`` and for being repeatable (a decode step
+    that appends to a cache must have room: see :func:`make_decode_step`).
+    """
+    if repeats < 5:
+        raise ValueError(f"repeats={repeats} must be >= 5 (a median of at least five)")
+    if profiled_repeats < 1:
+        raise ValueError(f"profiled_repeats={profiled_repeats} must be >= 1")
+    dev = torch.device(device) if device is not None else default_device()
+    wall = time_fn(fn, repeats=repeats, warmup=warmup, device=dev)
+    matmul, profiled, ops = [], [], None
+    for _ in range(profiled_repeats):
+        with _profiled() as prof:
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            profiled.append(time.perf_counter() - t0)
+        events = prof.events()
+        matmul.append(_matmul_seconds(events, dev.type == "cuda"))
+        if ops is None:
+            ops = _count(events)
+    times = list(wall.times_s)
+    return OverheadBreakdown(wall.median_s, min(times), max(times),
+                             statistics.median(matmul), statistics.median(profiled), ops, times)
+
+
+# -- decode steps to measure --------------------------------------------------------------
+
+def make_decode_step(model, batch: int, context: int, steps: int = 256) -> Callable[[], torch.Tensor]:
+    """A repeatable decode step of ``model`` (a CausalLM): ``batch`` sequences, one new token
+    each after ``context`` cached ones, with a contiguous KV cache, under inference mode.
+
+    Each call does what a generation step does: ``cache.begin(1)``, the forward with
+    ``last_only=True``, ``cache.advance()``; it returns logits [batch, vocab]. The cache
+    grows by one token per call; the call that would overflow it first rewinds it to
+    ``context`` (a few small ops more, once every ``steps`` calls). The cached K/V stay zero (the prompt is not run): a step does
+    the same work whatever the cache holds.
+    """
+    from ..cache.contiguous import ContiguousKVCache
+
+    if batch < 1 or context < 0 or steps < 1:
+        raise ValueError(f"batch={batch} and steps={steps} must be >= 1, context={context} >= 0")
+    c = model.config
+    if context + steps > c.max_position_embeddings:
+        raise ValueError(f"context={context} + steps={steps} is past the model's context of "
+                         f"{c.max_position_embeddings} tokens")
+    cache = ContiguousKVCache.for_model(model, batch, context + steps)
+    ids = torch.randint(0, c.vocab_size, (batch, 1), device=model.device,
+                        generator=torch.Generator().manual_seed(0))
+
+    def rewind() -> None:
+        cache.reset()
+        if context:
+            cache.begin(context)
+            cache.advance()
+
+    rewind()
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        if cache.length >= cache.max_len:
+            rewind()
+        positions = cache.begin(1)
+        logits = model(ids, positions=positions, cache=cache, last_only=True)[:, -1]
+        cache.advance()
+        return logits
+
+    return step
+
+
+# -- the overhead roofline (a model) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelledStep:
+    """A step time from :class:`OverheadModel` (a model, not a measurement), seconds.
+
+    ``roof_s = max(bytes / bandwidth, flops / peak)``; ``dispatch_s = ops · t_op``.
+    """
+    label: str
+    bytes: int
+    flops: int
+    ops: int
+    roof_s: float
+    dispatch_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.roof_s + self.dispatch_s
+
+    def __repr__(self) -> str:
+        return (f"ModelledStep({self.label!r} (model): {self.total_s * 1e3:.2f} ms = roof "
+                f"{self.roof_s * 1e3:.2f} + {self.ops} ops × t_op = {self.dispatch_s * 1e3:.2f})")
+
+
+@dataclass(frozen=True)
+class OverheadModel:
+    """The overhead roofline: ``max(bytes / bandwidth, flops / peak) + ops · t_op`` seconds.
+
+    ``bandwidth_bytes_per_s`` and ``peak_flops_per_s`` are the measured roofs
+    (:class:`~llmlab.profiling.roofline.Ceilings`), ``t_op`` the seconds of one tiny eager
+    op (:func:`measure_op_overhead`). The model assumes the ops' dispatch never overlaps
+    with the memory traffic (true of eager CPU execution; on a GPU a queue can hide it).
+    """
+    bandwidth_bytes_per_s: float
+    peak_flops_per_s: float
+    t_op: float
+    device: str = ""
+
+    def __post_init__(self):
+        for name in ("bandwidth_bytes_per_s", "peak_flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not self.t_op >= 0:
+            raise ValueError(f"t_op={self.t_op!r} must be >= 0 seconds")
+
+    @classmethod
+    def from_ceilings(cls, ceilings: Ceilings, t_op: float) -> "OverheadModel":
+        return cls(ceilings.bandwidth_bytes_per_s, ceilings.peak_flops_per_s, t_op,
+                   ceilings.device)
+
+    @classmethod
+    def measure(cls, device=None, **ceiling_options) -> "OverheadModel":
+        """Measure both roofs (:func:`measure_ceilings`) and t_op on ``device``."""
+        ceilings = measure_ceilings(device=device, **ceiling_options)
+        return cls.from_ceilings(ceilings, measure_op_overhead(device=device))
+
+    def roof_seconds(self, bytes: float, flops: float) -> float:
+        """The roofline's time: max(bytes / bandwidth, flops / peak)."""
+        return max(bytes / self.bandwidth_bytes_per_s, flops / self.peak_flops_per_s)
+
+    def dispatch_seconds(self, ops: float) -> float:
+        """ops · t_op."""
+        return ops * self.t_op
+
+    def predict(self, bytes: float, flops: float, ops: float) -> float:
+        """Modelled seconds of a step that moves ``bytes``, does ``flops`` in ``ops`` op calls."""
+        return self.roof_seconds(bytes, flops) + self.dispatch_seconds(ops)
+
+    def step(self, bytes: int, flops: int, ops: int, label: str = "") -> ModelledStep:
+        """:meth:`predict` with its two parts."""
+        return ModelledStep(label, int(bytes), int(flops), int(ops),
+                            self.roof_seconds(bytes, flops), self.dispatch_seconds(ops))
+
+
+def modelled_decode_step(model_or_config, batch: int, overhead_model: OverheadModel,
+                         ops: int | None = None, context: int = 0,
+                         bytes_per_el: int | None = None, label: str = "") -> ModelledStep:
+    """The overhead roofline's time for one decode step at ``batch`` (a model).
+
+    Bytes and FLOPs come from :func:`~llmlab.profiling.roofline.decode_cost` (weights,
+    activations, KV cache, lm_head). ``ops``: the step's operator calls; when None, a
+    decode step of ``model_or_config`` (then a CausalLM) is counted with :func:`count_ops`.
+    """
+    if isinstance(model_or_config, ModelConfig):
+        config, model = model_or_config, None
+    else:
+        config, model = model_or_config.config, model_or_config
+    if bytes_per_el is None:
+        bytes_per_el = model.dtype.itemsize if model is not None else 4
+    if ops is None:
+        if model is None:
+            raise ValueError("ops is required with a ModelConfig (pass the model to count them)")
+        ops = count_ops(make_decode_step(model, batch, context, steps=1)).total
+    cost = decode_cost(config, batch, context, bytes_per_el)
+    return overhead_model.step(cost.bytes, cost.flops, ops, label or cost.label)
+
+
+@dataclass(frozen=True)
+class OverheadPoint:
+    """A measured step for the overhead-roofline plot: its label, batch, operator calls,
+    modelled bytes and FLOPs, and measured wall time (median, fastest, slowest; seconds)."""
+    label: str
+    batch: int
+    ops: int
+    bytes: int
+    flops: int
+    median_s: float
+    min_s: float
+    max_s: float
+
+    def modelled(self, overhead_model: OverheadModel) -> ModelledStep:
+        return overhead_model.step(self.bytes, self.flops, self.ops, self.label)
+
+
+def measure_decode_point(model, batch: int, context: int = 0, label: str = "",
+                         repeats: int = 5, warmup: int = 1,
+                         step: Callable[[], object] | None = None) -> OverheadPoint:
+    """Count and time one decode step of ``model`` at ``batch`` (``step``: another step
+    function for the same work, e.g. a compiled one; default :func:`make_decode_step`)."""
+    if step is None:
+        step = make_decode_step(model, batch, context)
+    ops = count_ops(step).total
+    t = time_fn(step, repeats=repeats, warmup=warmup, device=model.device)
+    cost = decode_cost(model.config, batch, context, model.dtype.itemsize)
+    return OverheadPoint(label or f"b={batch}", batch, ops, cost.bytes, cost.flops,
+                         t.median_s, t.min_s, max(t.times_s))

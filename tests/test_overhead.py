@@ -1,0 +1,245 @@
+"""Operator counts, op overhead, the step breakdown and the overhead roofline (notebook 11)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+
+import llmlab  # noqa: E402
+from llmlab.cache.contiguous import ContiguousKVCache  # noqa: E402
+from llmlab.layers import rotary  # noqa: E402
+from llmlab.models.llama import CausalLM  # noqa: E402
+from llmlab.profiling import (OverheadModel, OverheadPoint, count_ops,  # noqa: E402
+                              decode_cost, make_decode_step, measure_op_overhead,
+                              modelled_decode_step, step_breakdown)
+from llmlab.profiling.overhead import is_matmul  # noqa: E402
+from llmlab.profiling.roofline import Ceilings  # noqa: E402
+from llmlab.viz.overhead import explore_overhead, plot_overhead_roofline  # noqa: E402
+
+
+def three_adds_one_matmul(a, b):
+    return ((a + 1) + (a @ b)) + 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llmlab.load_model("tiny-llama", attention="sdpa")
+
+
+def random_model(config, layers: int) -> CausalLM:
+    torch.manual_seed(layers)
+    m = CausalLM(replace(config, num_layers=layers), attention="sdpa").eval()
+    m.reset_rotary()        # layers share one frequency tensor, as in a loaded model
+    return m
+
+
+# -- count_ops ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_count_ops_known_function(inference):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.inference_mode(inference):
+        c = count_ops(three_adds_one_matmul, a, b)
+    assert c.total == 4
+    assert c.matmul_calls == 1 and c.other_calls == 3
+    assert c.by_name["aten::add"] == 3
+    assert c.nested_total > c.total          # matmul calls mm inside itself
+
+
+def test_count_ops_sees_no_nested_linear_twice():
+    lin = torch.nn.Linear(8, 8)
+    with torch.inference_mode():
+        c = count_ops(lin, torch.randn(2, 3, 8))
+    assert c.total == 1 and dict(c.matmul) == {"aten::linear": 1}
+
+
+def test_matmul_names():
+    for name in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm",
+                 "aten::_weight_int8pack_mm", "llmlab::gemv"):
+        assert is_matmul(name), name
+    for name in ("aten::add", "aten::scaled_dot_product_attention", "aten::mmx", "mm"):
+        assert not is_matmul(name), name
+
+
+def layer_ops(model) -> int:
+    """Ops of one decoder layer after the first (which builds the RoPE tables), called
+    alone as the model calls it in a decode step."""
+    cache = ContiguousKVCache.for_model(model, 1, 4)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        pos = cache.begin(1)
+        rotary.clear_tables()
+        x = model.layers[0](model.embed_tokens(ids), pos, cache)
+        return count_ops(model.layers[1], x, pos, cache).total
+
+
+def test_decode_step_ops_follow_the_architecture(tiny):
+    cfg = tiny.config
+    models = {n: random_model(cfg, n) for n in (1, 2, 3)}
+    counts = {n: count_ops(make_decode_step(m, 1, 8)) for n, m in models.items()}
+    per_layer = layer_ops(models[2])
+    head = counts[1].total - per_layer      # embedding, first layer's RoPE tables, norm, lm_head
+    for n, c in counts.items():
+        assert c.total == head + n * per_layer, (n, c, head, per_layer)
+        # q, k, v, o, gate, up, down per layer, then the lm_head
+        assert c.matmul_calls == 7 * n + 1
+    assert per_layer > 7 and head > 1
+    # the loaded 2-layer tiny-llama counts as the random one
+    loaded = count_ops(make_decode_step(tiny, 1, 8))
+    assert loaded.total == counts[2].total and loaded.by_name == counts[2].by_name
+
+
+def test_decode_step_is_repeatable(tiny):
+    step = make_decode_step(tiny, 2, 4, steps=3)
+    outs = [step() for _ in range(7)]       # rewinds twice
+    assert outs[0].shape == (2, tiny.config.vocab_size)
+    assert all(torch.isfinite(o).all() for o in outs)
+    with pytest.raises(ValueError, match="past the model's context"):
+        make_decode_step(tiny, 1, tiny.config.max_position_embeddings, steps=1)
+
+
+# -- t_op and the breakdown ---------------------------------------------------------------
+
+def test_measure_op_overhead_is_plausible():
+    t_op = measure_op_overhead(calls=500, rounds=5)
+    assert 1e-7 < t_op < 1e-3
+    with pytest.raises(ValueError, match="rounds"):
+        measure_op_overhead(rounds=3)
+
+
+def test_breakdown_of_a_matmul_heavy_step():
+    a = torch.randn(384, 384)
+    small = torch.ones(1)
+
+    def fn():
+        a @ a
+        for _ in range(3):
+            small + small
+
+    bd = step_breakdown(fn, repeats=5, profiled_repeats=3)
+    assert len(bd.times_s) == 5 and bd.min_s <= bd.median_s <= bd.max_s
+    assert bd.matmul_s + bd.outside_s == pytest.approx(bd.median_s, rel=1e-12)
+    assert bd.ops.total == 4 and bd.ops.matmul_calls == 1
+    assert 0 < bd.matmul_s <= bd.profiled_s
+    assert bd.matmul_s > 0.5 * bd.profiled_s     # 113 MFLOP against three 1-element adds
+
+
+def test_breakdown_without_matmuls_is_all_outside():
+    x = torch.ones(4)
+    bd = step_breakdown(lambda: [x * 2 for _ in range(20)], repeats=5, profiled_repeats=1)
+    assert bd.matmul_s == 0 and bd.outside_s == bd.median_s and bd.outside_share == 1
+    assert bd.ops.total == 20
+    with pytest.raises(ValueError, match="repeats"):
+        step_breakdown(lambda: None, repeats=3)
+
+
+def test_breakdown_of_a_decode_step(tiny):
+    bd = step_breakdown(make_decode_step(tiny, 1, 8), repeats=5, profiled_repeats=2)
+    assert bd.ops.matmul_calls == 7 * tiny.config.num_layers + 1
+    assert 0 < bd.matmul_s < bd.profiled_s
+    assert bd.matmul_s + bd.outside_s == pytest.approx(bd.median_s, rel=1e-12)
+
+
+# -- the overhead roofline ---------------------------------------------------------------
+
+def test_overhead_model_arithmetic():
+    m = OverheadModel(bandwidth_bytes_per_s=1e9, peak_flops_per_s=1e10, t_op=1e-6)
+    # memory-bound: 2 MB at 1 GB/s = 2 ms; 1 MFLOP at 10 GFLOP/s = 0.1 ms; 100 ops = 0.1 ms
+    assert m.predict(2e6, 1e6, 100) == pytest.approx(2.1e-3)
+    # compute-bound: 1 GFLOP = 100 ms beats 1 MB = 1 ms
+    assert m.predict(1e6, 1e9, 0) == pytest.approx(0.1)
+    s = m.step(2e6, 1e6, 100, "x")
+    assert (s.roof_s, s.dispatch_s) == pytest.approx((2e-3, 1e-4))
+    assert s.total_s == pytest.approx(m.predict(2e6, 1e6, 100))
+    assert "model" in repr(s)
+    c = Ceilings(5e9, 2e11, "cpu")
+    assert OverheadModel.from_ceilings(c, 2e-6) == OverheadModel(5e9, 2e11, 2e-6, "cpu")
+    with pytest.raises(ValueError, match="t_op"):
+        OverheadModel(1e9, 1e10, -1.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        OverheadModel(0, 1e10, 1e-6)
+
+
+def test_modelled_decode_step(tiny):
+    m = OverheadModel(1e10, 1e11, 2e-6)
+    cost = decode_cost(tiny.config, 8, 16)
+    s = modelled_decode_step(tiny.config, 8, m, ops=300, context=16)
+    assert (s.bytes, s.flops, s.ops) == (cost.bytes, cost.flops, 300)
+    assert s.roof_s == pytest.approx(max(cost.bytes / 1e10, cost.flops / 1e11))
+    assert s.dispatch_s == pytest.approx(300 * 2e-6)
+    counted = modelled_decode_step(tiny, 8, m, context=16)
+    assert counted.ops == count_ops(make_decode_step(tiny, 8, 16)).total
+    with pytest.raises(ValueError, match="ops is required"):
+        modelled_decode_step(tiny.config, 8, m)
+
+
+def points():
+    kw = dict(bytes=4_000_000, flops=2_000_000)
+    return [OverheadPoint("eager", 1, 400, median_s=2e-3, min_s=1.8e-3, max_s=2.5e-3, **kw),
+            OverheadPoint("compiled", 1, 40, median_s=1e-3, min_s=0.9e-3, max_s=1.2e-3, **kw),
+            OverheadPoint("eager", 8, 400, 4_100_000, 16_000_000, 3e-3, 2.8e-3, 3.3e-3)]
+
+
+def test_plot_overhead_roofline_contents():
+    model = OverheadModel(4e9, 1e11, 2.5e-6, "test cpu")
+    fig = plot_overhead_roofline(points(), model)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for b in (1, 8):
+        assert f"batch {b}: roof only (model)" in labels
+        assert f"batch {b}: roof + ops·t_op (model)" in labels
+    assert len(ax.containers) == 3                      # one error bar per measured point
+    roof = next(line for line in ax.lines if line.get_label() == "batch 1: roof only (model)")
+    assert roof.get_ydata()[0] == pytest.approx(1.0)    # 4 MB at 4 GB/s = 1 ms
+    slope = next(line for line in ax.lines if line.get_label() == "batch 1: roof + ops·t_op (model)")
+    x, y = slope.get_xdata(), slope.get_ydata()
+    assert (y[-1] - y[0]) / (x[-1] - x[0]) == pytest.approx(2.5e-3)   # ms per op
+    ys = sorted(c.lines[0].get_ydata()[0] for c in ax.containers)
+    assert ys == pytest.approx([1.0, 2.0, 3.0])          # medians, in ms
+    assert ax.get_xlabel() == "operator calls per step" and ax.get_ylabel() == "ms per step"
+    assert "test cpu" in ax.get_title()
+    with pytest.raises(ValueError, match="empty"):
+        plot_overhead_roofline([], model)
+
+
+def test_explore_overhead_filters_and_scales():
+    model = OverheadModel(4e9, 1e11, 2.5e-6)
+    fig = explore_overhead(points(), model, batch=1, t_op_scale=0.0)
+    ax = fig.axes[0]
+    assert len(ax.containers) == 2
+    slope = next(line for line in ax.lines if line.get_label() == "batch 1: roof + ops·t_op (model)")
+    assert list(slope.get_ydata()) == pytest.approx([1.0] * len(slope.get_ydata()))
+    assert len(explore_overhead(points(), model).axes[0].containers) == 3
+    with pytest.raises(ValueError, match="batch=4"):
+        explore_overhead(points(), model, batch=4)
+
+
+# -- compiled and SmolLM2 (slow) ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_count_ops_of_a_compiled_function_sees_only_extern_kernels():
+    def f(a, b):
+        return ((a @ b) + 1).relu() * 2
+
+    compiled = torch.compile(f)
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    with torch.inference_mode():
+        compiled(a, b)
+        eager, fused = count_ops(f, a, b), count_ops(compiled, a, b)
+    assert eager.total == 4
+    assert fused.matmul_calls == 1 and fused.total < eager.total   # add, relu, mul fused
+
+
+@pytest.mark.slow
+def test_smollm2_decode_step_ops():
+    model = llmlab.load_model("smollm2-135m", attention="sdpa")
+    c = count_ops(make_decode_step(model, 1, 16))
+    assert c.matmul_calls == 7 * model.config.num_layers + 1
+    assert c.total > 10 * model.config.num_layers
+    # naive attention adds its two matmuls per layer (QKᵀ and P·V)
+    naive = count_ops(make_decode_step(model.set_attention("naive"), 1, 16))
+    assert naive.matmul_calls == 9 * model.config.num_layers + 1
