@@ -195,7 +195,8 @@ def test_plot_overhead_roofline_contents():
     assert len(ax.containers) == 3                      # one error bar per measured point
     roof = next(line for line in ax.lines if line.get_label() == "batch 1: roof only (model)")
     assert roof.get_ydata()[0] == pytest.approx(1.0)    # 4 MB at 4 GB/s = 1 ms
-    slope = next(line for line in ax.lines if line.get_label() == "batch 1: roof + ops·t_op (model)")
+    slope = next(line for line in ax.lines
+                 if line.get_label() == "batch 1: roof + ops·t_op (model)")
     x, y = slope.get_xdata(), slope.get_ydata()
     assert (y[-1] - y[0]) / (x[-1] - x[0]) == pytest.approx(2.5e-3)   # ms per op
     ys = sorted(c.lines[0].get_ydata()[0] for c in ax.containers)
@@ -211,7 +212,8 @@ def test_explore_overhead_filters_and_scales():
     fig = explore_overhead(points(), model, batch=1, t_op_scale=0.0)
     ax = fig.axes[0]
     assert len(ax.containers) == 2
-    slope = next(line for line in ax.lines if line.get_label() == "batch 1: roof + ops·t_op (model)")
+    slope = next(line for line in ax.lines
+                 if line.get_label() == "batch 1: roof + ops·t_op (model)")
     assert list(slope.get_ydata()) == pytest.approx([1.0] * len(slope.get_ydata()))
     assert len(explore_overhead(points(), model).axes[0].containers) == 3
     with pytest.raises(ValueError, match="batch=4"):

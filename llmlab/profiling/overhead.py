@@ -53,7 +53,7 @@ OP_NAMESPACES = frozenset({"aten", "prims", "llmlab", "quantized", "_c10d_functi
 
 
 def is_op(name: str) -> bool:
-    """True when a profiler event name is a dispatcher operator (``aten::add``, ``llmlab::gemv``)."""
+    """True when a profiler event name is an operator (``aten::add``, ``llmlab::gemv``)."""
     ns, sep, op = name.partition("::")
     return bool(sep) and ns in OP_NAMESPACES and bool(op)
 
@@ -109,10 +109,6 @@ def _op_parent(ev):
     while p is not None and not is_op(p.name):
         p = p.cpu_parent
     return p
-
-
-def _top_level_ops(events) -> list:
-    return [ev for ev in events if is_op(ev.name) and _op_parent(ev) is None]
 
 
 def _count(events) -> OpCount:
@@ -178,7 +174,10 @@ class OverheadBreakdown:
     to the wall time; "outside" is Python, the dispatcher, allocations, and every small op
     (norms, RoPE, attention, cache writes, elementwise), on a GPU also launch gaps.
     ``profiled_s``: median wall time of the profiled runs (how much profiling slowed the
-    step; not used in the split). ``ops``: the operator count of one profiled run.
+    step; not used in the split). ``ops``: the operator count of one profiled run. The two
+    medians come from different runs: on a busy machine (another process on the cores a
+    multi-threaded kernel waits for) ``matmul_s`` can even exceed ``median_s``; rerun
+    when ``outside_s`` is negative or ``min_s``–``max_s`` is wide.
     """
     median_s: float
     min_s: float
@@ -266,20 +265,22 @@ def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
 
 # -- decode steps to measure --------------------------------------------------------------
 
-def make_decode_step(model, batch: int, context: int, steps: int = 256) -> Callable[[], torch.Tensor]:
+def make_decode_step(model, batch: int, context: int,
+                     steps: int = 256) -> Callable[[], torch.Tensor]:
     """A repeatable decode step of ``model`` (a CausalLM): ``batch`` sequences, one new token
     each after ``context`` cached ones, with a contiguous KV cache, under inference mode.
 
     Each call does what a generation step does: ``cache.begin(1)``, the forward with
     ``last_only=True``, ``cache.advance()``; it returns logits [batch, vocab]. The cache
     grows by one token per call; the call that would overflow it first rewinds it to
-    ``context`` (a few small ops more, once every ``steps`` calls). The cached K/V stay zero (the prompt is not run): a step does
-    the same work whatever the cache holds.
+    ``context`` (a few small ops more, once every ``steps`` calls). The cached K/V stay
+    zero (the prompt is not run): a step does the same work whatever the cache holds.
     """
     from ..cache.contiguous import ContiguousKVCache
 
     if batch < 1 or context < 0 or steps < 1:
-        raise ValueError(f"batch={batch} and steps={steps} must be >= 1, context={context} >= 0")
+        raise ValueError(f"batch={batch} and steps={steps} must be >= 1, "
+                         f"context={context} >= 0")
     c = model.config
     if context + steps > c.max_position_embeddings:
         raise ValueError(f"context={context} + steps={steps} is past the model's context of "
@@ -382,7 +383,8 @@ class OverheadModel:
                             self.roof_seconds(bytes, flops), self.dispatch_seconds(ops))
 
 
-def modelled_decode_step(model_or_config, batch: int, overhead_model: OverheadModel,
+def modelled_decode_step(model_or_config, batch: int,
+                         overhead_model: OverheadModel,
                          ops: int | None = None, context: int = 0,
                          bytes_per_el: int | None = None, label: str = "") -> ModelledStep:
     """The overhead roofline's time for one decode step at ``batch`` (a model).

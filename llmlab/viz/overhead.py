@@ -76,6 +76,7 @@ def explore_overhead(points: list[OverheadPoint], model: OverheadModel, batch: i
         raise ValueError(f"t_op_scale={t_op_scale} must be >= 0")
     chosen = [p for p in points if batch is None or p.batch == batch]
     if not chosen:
-        raise ValueError(f"no point has batch={batch}; batches: {sorted({p.batch for p in points})}")
+        raise ValueError(f"no point has batch={batch}; "
+                         f"batches: {sorted({p.batch for p in points})}")
     scaled = replace(model, t_op=model.t_op * t_op_scale)
     return plot_overhead_roofline(chosen, scaled)
