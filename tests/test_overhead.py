@@ -133,6 +133,7 @@ def test_breakdown_without_matmuls_is_all_outside():
     bd = step_breakdown(lambda: [x * 2 for _ in range(20)], repeats=5, profiled_repeats=1)
     assert bd.matmul_s == 0 and bd.outside_s == bd.median_s and bd.outside_share == 1
     assert bd.ops.total == 20
+    assert bd.outside_per_op_s == pytest.approx(bd.median_s / 20)
     with pytest.raises(ValueError, match="repeats"):
         step_breakdown(lambda: None, repeats=3)
 

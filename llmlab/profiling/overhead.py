@@ -192,6 +192,13 @@ class OverheadBreakdown:
         return self.median_s - self.matmul_s
 
     @property
+    def outside_per_op_s(self) -> float:
+        """Outside time per operator call: the t_op this step effectively paid (Python
+        between the calls and the small kernels included), to set beside
+        :func:`measure_op_overhead`'s tiny-op t_op."""
+        return self.outside_s / self.ops.total if self.ops.total else 0.0
+
+    @property
     def outside_share(self) -> float:
         """Fraction of the step spent outside the matmuls."""
         return self.outside_s / self.median_s
