@@ -136,6 +136,8 @@ def test_breakdown_without_matmuls_is_all_outside():
     assert bd.outside_per_op_s == pytest.approx(bd.median_s / 20)
     with pytest.raises(ValueError, match="repeats"):
         step_breakdown(lambda: None, repeats=3)
+    with pytest.raises(ValueError, match="profiled_repeats"):
+        step_breakdown(lambda: None, repeats=5, profiled_repeats=6)
 
 
 def test_breakdown_of_a_decode_step(tiny):

@@ -39,7 +39,7 @@ import torch
 from ..config import ModelConfig
 from ..device import default_device, sync
 from .roofline import Ceilings, decode_cost, measure_ceilings
-from .timer import time_fn
+from .timer import Timer, time_fn
 
 #: Operators whose time counts as "inside the matrix multiplies" (names without namespace;
 #: every op of the ``llmlab`` namespace counts too: the C decode kernels as custom ops).
@@ -241,32 +241,39 @@ def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     :class:`OverheadBreakdown`).
 
     The wall time comes from ``repeats`` runs without the profiler (after ``warmup``
-    runs), so the profiler's own cost does not enter it; then ``profiled_repeats`` runs
-    under ``torch.profiler`` give the time inside the innermost matmul-like operators
-    (CPU time; on CUDA their device time), whose median is subtracted. ``fn`` is
+    runs), so the profiler's own cost does not enter it; ``profiled_repeats`` more runs
+    under ``torch.profiler``, interleaved with them, give the time inside the innermost
+    matmul-like operators (CPU time; on CUDA their device time), whose median is
+    subtracted. ``fn`` is
     responsible for its own ``inference_mode`` and for being repeatable (a decode step
     that appends to a cache must have room: see :func:`make_decode_step`).
     """
     if repeats < 5:
         raise ValueError(f"repeats={repeats} must be >= 5 (a median of at least five)")
-    if profiled_repeats < 1:
-        raise ValueError(f"profiled_repeats={profiled_repeats} must be >= 1")
+    if not 1 <= profiled_repeats <= repeats:
+        raise ValueError(f"profiled_repeats={profiled_repeats} must be in [1, repeats={repeats}]")
     dev = torch.device(device) if device is not None else default_device()
-    wall = time_fn(fn, repeats=repeats, warmup=warmup, device=dev)
-    matmul, profiled, ops = [], [], None
-    for _ in range(profiled_repeats):
-        with _profiled() as prof:
-            sync(dev)
-            t0 = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    # profiled runs interleaved with the timed ones, spread over the rounds: a busy moment
+    # of a shared machine then lands on both kinds of sample, not on one
+    profile_at = {round(i * repeats / profiled_repeats) for i in range(profiled_repeats)}
+    times, matmul, profiled, ops = [], [], [], None
+    for i in range(repeats):
+        with Timer(dev) as t:
             fn()
-            sync(dev)
-            profiled.append(time.perf_counter() - t0)
+        times.append(t.seconds)
+        if i not in profile_at:
+            continue
+        with _profiled() as prof:
+            with Timer(dev) as t:
+                fn()
+        profiled.append(t.seconds)
         events = prof.events()
         matmul.append(_matmul_seconds(events, dev.type == "cuda"))
         if ops is None:
             ops = _count(events)
-    times = list(wall.times_s)
-    return OverheadBreakdown(wall.median_s, min(times), max(times),
+    return OverheadBreakdown(statistics.median(times), min(times), max(times),
                              statistics.median(matmul), statistics.median(profiled), ops, times)
 
 
