@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 MAX_LOGPROBS = 20          # the OpenAI API's top_logprobs limit, vLLM's default max_logprobs
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1     # a seed is a 64-bit signed int (as in vLLM's API)
 
 
 def _is_int(x) -> bool:
@@ -57,25 +58,27 @@ def check_sampling_args(temperature: float, top_k: int | None = None,
     """Raise ValueError naming the first bad argument and what is allowed.
 
     ``temperature``: a finite number >= 0 (0 is greedy; NaN and infinity are refused).
-    ``top_k``: an int >= 1, or None or -1 (no top-k filter, vLLM's spelling).
+    ``top_k``: an int >= 1, or None, 0 or -1 (no top-k filter; vLLM takes both 0 and -1).
     ``top_p``: a number in (0, 1], or None (no top-p filter; 1.0 keeps every token too).
     ``max_tokens``: an int >= 1 (None skips the check); ``max_tokens_name`` is the name
     the caller's API gives it (``generate`` calls it ``max_new_tokens``).
-    ``seed``: an int or None.
+    ``seed``: None or an int in ``SEED_MIN..SEED_MAX`` (64 bits, signed).
     The penalties: see :func:`check_penalties`. ``logprobs``: None, or an int in
     0..20, how many of the most likely tokens to report besides the chosen one.
     """
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 "
                          "(0 means greedy)")
-    if top_k is not None and not (_is_int(top_k) and (top_k >= 1 or top_k == -1)):
-        raise ValueError(f"top_k={top_k!r} must be an int >= 1, or None / -1 (no top-k filter)")
+    if top_k is not None and not (_is_int(top_k) and top_k >= -1):
+        raise ValueError(f"top_k={top_k!r} must be an int >= 1, or None / 0 / -1 (no top-k "
+                         "filter)")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r} must be in (0, 1], or None (no top-p filter)")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise ValueError(f"{max_tokens_name}={max_tokens!r} must be an int >= 1")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed={seed!r} must be an int or None")
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed={seed!r} must be an int or None; an int in [-2**63, 2**63 - 1] "
+                         "(64 bits, signed)")
     check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
         raise ValueError(f"logprobs={logprobs!r} must be None or an int in 0..{MAX_LOGPROBS}")
@@ -168,7 +171,7 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None,
                   top_p: float | None = None) -> torch.Tensor:
     """Set logits outside the top-k / the top-p nucleus to -inf. logits [batch, vocab].
 
-    ``top_k`` None or -1 and ``top_p`` None or 1.0 leave the logits as they are."""
+    ``top_k`` None, 0 or -1 and ``top_p`` None or 1.0 leave the logits as they are."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -187,7 +190,16 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     """logits [batch, vocab] -> token ids [batch]."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    scaled = logits.float() / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # a tiny temperature or an extreme penalty overflowed float32 (softmax would give
+        # NaN, and multinomial raise): measure from the row's largest logit first, so the
+        # most likely token keeps the mass (a temperature near 0 is near greedy); NaN
+        # counts as the lowest logit. Finite rows never come here: unchanged, bit for bit.
+        f32 = torch.finfo(torch.float32)
+        x = torch.nan_to_num(logits.float(), nan=-f32.max, posinf=f32.max, neginf=-f32.max)
+        scaled = (x - x.max(dim=-1, keepdim=True).values) / max(temperature, f32.tiny)
+    logits = filter_logits(scaled, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -209,6 +221,6 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
     return out
 
 
-__all__ = ["MAX_LOGPROBS", "check_sampling_args", "check_penalties", "has_penalties",
+__all__ = ["MAX_LOGPROBS", "SEED_MIN", "SEED_MAX", "check_sampling_args", "check_penalties", "has_penalties",
            "apply_penalties", "filter_logits", "sample", "sample_rows", "processed_logprobs",
            "token_logprobs"]

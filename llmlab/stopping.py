@@ -8,10 +8,17 @@ whatever else shares its batch:
 * ``"length"``: it has ``max_tokens`` new tokens, or it fills the context
   (``max_len`` tokens, prompt included: the model has no position for another one).
 
-The engine adds stop strings on top (a text-level check). A leaf module: it imports
-nothing from llmlab. Taught in notebook 01.
+The engine adds stop strings on top (a text-level check, :func:`find_stop`). It runs
+after every token, so it must not cost more as the text grows: a stop string that
+completes with the newest text begins at most ``longest - 1`` characters before it, so
+only that window is searched (:meth:`LLMEngine._stop_check` keeps where the last search
+ended). :func:`stop_prefix_length` says how much of a running completion's text a stream
+must hold back: a tail that the next tokens may turn into a stop string. A leaf module:
+it imports nothing from llmlab. Taught in notebook 01.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 
 def token_budget(prompt_len: int, max_tokens: int, max_len: int) -> int:
@@ -38,4 +45,23 @@ def finish_reason(token: int, num_output: int, num_tokens: int, *, eos_token_id:
     return None
 
 
-__all__ = ["finish_reason", "token_budget"]
+def find_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """The first stop string in ``text``: (where it starts, which one), the earliest start
+    winning (the shorter string on a tie); None if there is none. O(len(text) * len(stop))."""
+    hits = [(i, s) for s in stop if (i := text.find(s)) >= 0]
+    return min(hits, key=lambda h: (h[0], len(h[1]))) if hits else None
+
+
+def stop_prefix_length(text: str, stop: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could be the beginning of a stop string
+    (the longest such tail, shorter than the stop string itself). Looks at the last
+    ``longest - 1`` characters only."""
+    longest = max((len(s) for s in stop), default=0)
+    for start in range(max(0, len(text) - longest + 1), len(text)):
+        tail = text[start:]
+        if any(s.startswith(tail) for s in stop):
+            return len(text) - start
+    return 0
+
+
+__all__ = ["finish_reason", "token_budget", "find_stop", "stop_prefix_length"]

@@ -1,8 +1,11 @@
 """The vLLM-shaped API: SamplingParams validation, LLM arguments, input order, metrics,
 chat template, streaming, and greedy parity with generating alone on smollm2-135m."""
 import math
+import statistics
+import time
 
 import pytest
+import torch
 
 import llmlab
 from llmlab.engine import LLM, SamplingParams
@@ -20,12 +23,14 @@ def tiny_llm():
     (dict(temperature=float("nan")), "temperature=nan"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(top_p=1.5), "top_p=1.5"),
-    (dict(top_k=0), "top_k=0 must be an int >= 1, or None / -1"),
+    (dict(top_k=-2), "top_k=-2 must be an int >= 1, or None / 0 / -1"),
     (dict(max_tokens=0), "max_tokens=0 must be an int >= 1"),
     (dict(n=0), "n=0 must be an int >= 1"),
     (dict(n=2, temperature=0), "n=2 needs temperature > 0"),
     (dict(stop=[""]), "stop="),
     (dict(seed="7"), "seed='7' must be an int or None"),
+    (dict(seed=2**63), r"seed=9223372036854775808 must be an int or None; an int in \[-2\*\*63, "),
+    (dict(seed=-2**63 - 1), r"seed=-9223372036854775809 must be an int or None"),
 ])
 def test_sampling_params_reject_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -35,6 +40,7 @@ def test_sampling_params_reject_bad_values(kw, match):
 def test_sampling_params_defaults_and_normalisation():
     p = SamplingParams(top_k=-1, stop="END")
     assert p.top_k is None and p.stop == ["END"] and p.temperature == 1.0 and p.max_tokens == 16
+    assert SamplingParams(top_k=0).top_k is None                 # 0 means no filter too
     assert SamplingParams(temperature=0).greedy and not p.greedy
 
 
@@ -137,3 +143,104 @@ def test_llm_takes_a_hand_written_schedule_function(tiny_llm):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
     assert len(calls) == len(llm.stats.steps) and llm.engine.config.policy == "continuous"
+
+
+# -- text a few tokens at a time: exact, and a cost per token that does not grow ---------------
+MIXED = "Café ☕ naïve 日本語の文章 🙂🚀 Ελληνικά — «quotes» 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."
+
+
+def _read_one_by_one(tok, ids):
+    from llmlab.engine.detokenizer import MAX_STUCK, IncrementalDetokenizer
+
+    d, pieces = IncrementalDetokenizer(), []
+    for k in range(1, len(ids) + 1):
+        pieces.append(d.add(tok, ids, k))
+        assert k - d.prefix_offset <= MAX_STUCK + 2, "the decode window keeps growing"
+    pieces.append(d.flush(tok, ids))
+    assert d.length == sum(map(len, pieces)) and d.tail(7) == "".join(pieces)[-7:]
+    return pieces
+
+
+def test_incremental_text_equals_decoding_the_whole_list(tiny_llm):
+    tok = tiny_llm.tokenizer
+    ids = tok(MIXED)["input_ids"]
+    pieces = _read_one_by_one(tok, ids)
+    assert "".join(pieces) == MIXED
+    assert not any("\ufffd" in p for p in pieces)           # no half character is ever shown
+    assert len(ids) > len(MIXED.split()) + 10                # characters split across tokens
+    # invalid bytes (what a random model emits): still the whole list's decoding, exactly
+    halves = [i for i in range(2000, 12000) if "\ufffd" in tok.decode([i])]
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n = int(torch.randint(1, 80, (1,), generator=g))
+        mix = torch.rand(n, generator=g) < 0.8
+        ids = [halves[int(torch.randint(len(halves), (1,), generator=g))] if m
+               else int(torch.randint(len(tok), (1,), generator=g)) for m in mix]
+        assert "".join(_read_one_by_one(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_streamed_multibyte_text_adds_up_to_the_final_text(smollm2, tokenizer):
+    llm = LLM(smollm2, tokenizer, max_num_seqs=2, block_size=16, num_blocks=32)
+    prompt = "Translate to Japanese. English: good morning. Japanese:"
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    final = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert any(ord(c) > 0x2FFF for c in final.text), final.text   # CJK: 3 bytes a character
+    assert len(final.token_ids) > len(final.text.strip().split())
+    for stop in (None, final.text[2:4]):                        # a stop inside the characters
+        p = SamplingParams(temperature=0, max_tokens=12, stop=stop)
+        want = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0].text
+        deltas = [ev.text for ev in llm.stream(prompt, p)]
+        assert "".join(deltas) == want
+        # a half character shows only at the very end (max_tokens cut it: the final flush)
+        assert not any("\ufffd" in d for d in deltas[:-1])
+        assert want == (final.text if stop is None else final.text[:final.text.find(stop)])
+
+
+def test_per_token_host_time_stays_flat_over_2000_tokens():
+    """The engine's own work per token (scheduling, sampling, decoding the text, the stop
+    check, the stream's delta) is the same at token 2,000 as at token 100. The model's
+    forward is timed apart and left out: its attention reads the whole context, which
+    grows in any engine; what must not grow is the host work around it (decoding the
+    whole text per token made it 6x slower by the end)."""
+    llm = LLM("tiny-llama", max_num_seqs=2, block_size=16)
+    runner, in_forward = llm.engine.runner, [0.0]
+    forward = runner.forward
+
+    def timed_forward(inputs):
+        t = time.perf_counter()
+        try:
+            return forward(inputs)
+        finally:
+            in_forward[0] += time.perf_counter() - t
+
+    runner.forward = timed_forward
+    sp = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True,
+                        stop=["never in this text \u00e9", "zq"])
+    host, last = [], time.perf_counter()
+    for ev in llm.stream("Once upon a time", sp):
+        now = time.perf_counter()
+        host.append(now - last - in_forward[0])
+        in_forward[0], last = 0.0, now
+    assert len(host) == 2000 and ev.finish_reason == "length"
+    first, end = statistics.median(host[1:101]), statistics.median(host[-100:])
+    assert end < 1.5 * first, f"host time per token {first * 1e6:.0f} us -> {end * 1e6:.0f} us"
+
+
+def test_extreme_seeds_and_temperatures_sample_without_failing(tiny_llm):
+    """Seeds at both ends of the 64-bit range with n completions (seed + i must not
+    overflow the generator), a temperature that overflows float32 when dividing the logits,
+    and a repetition penalty that does: each request still gets its tokens."""
+    prompt = [5, 6, 7, 8]
+    greedy = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(n=4, seed=2**63 - 1, max_tokens=4, ignore_eos=True),
+              SamplingParams(n=2, seed=-2**63, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=1e-300, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.5, repetition_penalty=1e-300, max_tokens=4,
+                             ignore_eos=True, logprobs=2)]
+    outs = tiny_llm.generate([prompt] * len(params), params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [4, 2, 1, 1]
+    assert all(len(c.token_ids) == 4 for o in outs for c in o.outputs)
+    assert outs[2].outputs[0].token_ids == greedy            # a temperature near 0: greedy
+    again = tiny_llm.generate(prompt, params[0], use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]

@@ -38,7 +38,7 @@ from .beam import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from .runner import ModelRunner, choose_paged_attention
 from ..prompts import check_token_ids
 from ..sampling import apply_penalties, processed_logprobs, sample_rows, token_logprobs
-from ..stopping import finish_reason
+from ..stopping import find_stop, finish_reason, stop_prefix_length
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import (CompletionOutput, Request, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
@@ -142,6 +142,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._t0 = time.perf_counter()
         self.stats = EngineStats()
+        # a server steps forever: it turns the per-step log off (counters are kept)
+        self.record_steps = True
+        self.step_request_ids: tuple[int, ...] = ()   # the requests of the current step
         self.idle = True               # the last step found nothing to run
         self.requests: dict[int, Request] = {}     # unfinished requests, by id
         self._rng_states: dict = {}                 # during sampling: {seq_id: (len, state)}
@@ -152,27 +155,36 @@ class LLMEngine:
         return time.perf_counter() - self._t0
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Completion ``index``'s random generator: seeded ``seed + index``, taken modulo
+        2**64 (what ``manual_seed`` reads a negative seed as), so that no seed in range and
+        no ``n`` can overflow it inside a step."""
         if params.greedy:
             return None
-        seed = params.seed + index if params.seed is not None else \
+        seed = (params.seed + index) % 2**64 if params.seed is not None else \
             int(torch.randint(0, 2**62, (1,), generator=self._rng))
         return torch.Generator(device=self.model.device).manual_seed(seed)
 
-    def _reject_reason(self, ids: list[int], params: SamplingParams) -> str | None:
+    def _reject_reason(self, ids: list[int], params: SamplingParams
+                       ) -> tuple[str, str] | tuple[None, None]:
+        """Why a request can never run, and the parameter to blame: (param, reason), or
+        (None, None) when it can."""
         cfg, bm = self.config, self.cache.manager
         if not ids:
-            return "the prompt is empty"
+            return "prompt", "the prompt is empty"
         if len(ids) >= cfg.max_model_len:
-            return (f"prompt of {len(ids)} tokens does not fit the context of {cfg.max_model_len} "
-                    "tokens (it needs room for at least one new token)")
+            return "prompt", (f"prompt of {len(ids)} tokens does not fit the context of "
+                              f"{cfg.max_model_len} tokens (it needs room for at least one new "
+                              "token)")
+        if params.n > cfg.max_num_seqs:
+            return "n", (f"n={params.n} completions exceed max_num_seqs={cfg.max_num_seqs} "
+                         "(each completion takes a seat of the batch)")
         longest = min(len(ids) + params.max_tokens, cfg.max_model_len)
         need = -(-longest // bm.block_size)
         if need > bm.num_blocks:
-            return (f"a sequence of up to {longest} tokens needs {need} KV blocks but the pool "
-                    f"has only {bm.num_blocks}; raise num_blocks or lower max_tokens")
-        if params.n > cfg.max_num_seqs:
-            return f"n={params.n} completions exceed max_num_seqs={cfg.max_num_seqs}"
-        return None
+            return "max_tokens", (f"a sequence of up to {longest} tokens needs {need} KV blocks "
+                                  f"but the pool has only {bm.num_blocks}; raise num_blocks or "
+                                  "lower max_tokens")
+        return None, None
 
     def check_token_ids(self, ids: Seq[int]) -> list[int]:
         """The prompt as a list of ints; ValueError naming the first id that is not an
@@ -194,7 +206,7 @@ class LLMEngine:
         ids = self.check_token_ids(prompt_token_ids)
         arrival = self.now() if arrival_time is None else float(arrival_time)
         req = Request(next(self._request_ids), prompt, ids, params, arrival)
-        req.error = self._reject_reason(ids, params)
+        req.error_param, req.error = self._reject_reason(ids, params)
         if req.error is None:
             seq = Sequence(next(self._seq_ids), req, 0, ids, generator=self._generator(params, 0))
             req.seqs.append(seq)
@@ -227,10 +239,13 @@ class LLMEngine:
             raise
 
     def _step(self, start: float) -> list[tuple[Sequence, int]]:
+        self.step_request_ids = ()
         work = self.scheduler.schedule(start)
         self.idle = work.is_empty
         if work.is_empty:
             return []
+        self.step_request_ids = tuple(dict.fromkeys(s.seq.request.request_id
+                                                    for s in work.scheduled))
         seats = self.scheduler.occupancy(self.config.max_num_seqs)
         logits = self.runner.execute(work)
         for s in work.scheduled:           # K/V written: only now may blocks serve as a prefix
@@ -244,20 +259,45 @@ class LLMEngine:
         # got no token, so a seeded request samples what it would have without the failure
         self._rng_states = {s.seq_id: (len(s.output_token_ids), s.generator.get_state())
                             for s in scheduled if s.generator is not None}
-        logits = self._penalize(logits, scheduled)
-        tokens, logprobs = self._sample(logits, scheduled)
+        raw = logits
+        try:
+            logits = self._penalize(raw, scheduled)
+            tokens, logprobs = self._sample(logits, scheduled)
+        except Exception as e:
+            _blame(e, self._culprits(raw, scheduled))
+            raise
         now = self.now()
         produced = []
         for row, (seq, tok) in enumerate(zip(scheduled, tokens)):
             req = seq.request
-            if not seq.output_token_ids and len(req.seqs) < req.params.n:
-                produced += self._fork(seq, logits[row], now)
-            self._keep_logprobs(seq, logprobs[row])
-            self._append(seq, tok, now)
+            try:
+                if not seq.output_token_ids and len(req.seqs) < req.params.n:
+                    produced += self._fork(seq, logits[row], now)
+                self._keep_logprobs(seq, logprobs[row])
+                self._append(seq, tok, now)
+            except Exception as e:
+                _blame(e, [req.request_id])
+                raise
             produced.append((seq, tok))
         self._rng_states = {}
         self._record(work, start, seats)
         return produced
+
+    def _culprits(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sampling the batch raised: the requests whose row raises on its own (each row
+        sampled alone, its random state put back after). Only their parameters are to
+        blame; the caller may fail them and go on with the others."""
+        found = []
+        for row, seq in enumerate(seqs):
+            saved = self._rng_states.get(seq.seq_id)
+            try:
+                self._sample(self._penalize(logits[row:row + 1], [seq]), [seq])
+            except Exception:
+                found.append(seq.request.request_id)
+            finally:
+                if saved is not None:
+                    seq.generator.set_state(saved[1])
+        return list(dict.fromkeys(found))
 
     @staticmethod
     def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -319,14 +359,21 @@ class LLMEngine:
         why = finish_reason(tok, len(seq.output_token_ids), seq.num_tokens,
                             eos_token_id=self.eos_token_id, ignore_eos=p.ignore_eos,
                             max_tokens=p.max_tokens, max_len=self.config.max_model_len)
-        if why == "stop":                  # the end-of-sequence token
+        if why == "stop":                  # the end-of-sequence token (it is not text)
             return SequenceStatus.FINISHED_STOPPED, tok, None
+        text = seq.detok
+        if why == "length":                # the last token: a trailing half character too
+            text.flush(self.tokenizer, seq.output_token_ids)
+        else:                              # a few tokens decoded, not the whole list
+            text.add(self.tokenizer, seq.output_token_ids)
         if p.stop:                         # stop strings: a text-level check on top
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                cut, reason = min(hits)
-                return SequenceStatus.FINISHED_STOPPED, reason, text[:cut]
+            # only where one can end: the new text and the longest stop string before it
+            start = max(0, seq.stop_checked - max(map(len, p.stop)) + 1)
+            hit = find_stop(text.tail(text.length - start), p.stop)
+            if hit is not None:
+                cut, reason = start + hit[0], hit[1]
+                return SequenceStatus.FINISHED_STOPPED, reason, text.text()[:cut]
+            seq.stop_checked = text.length
         if why == "length":
             return SequenceStatus.FINISHED_LENGTH, None, None
         return None, None, None
@@ -356,10 +403,11 @@ class LLMEngine:
              text: str | None = None) -> None:
         """Set a sequence's final state (status, reason, text); the queues are not touched."""
         if text is None:
-            toks = seq.output_token_ids
+            end = len(seq.output_token_ids)
             if status is SequenceStatus.FINISHED_STOPPED:      # the EOS token is not text
-                toks = toks[:-1]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                end -= 1
+            seq.detok.flush(self.tokenizer, seq.output_token_ids, end)
+            text = seq.detok.text()
         seq.text = text
         seq.stop_reason = reason
         seq.finish_time = now
@@ -379,7 +427,8 @@ class LLMEngine:
                 parent.output_token_ids.clear()
                 parent.token_times.clear()
                 parent.reset_logprobs()
-                parent.status, parent.text = SequenceStatus.WAITING, ""
+                parent.reset_text()
+                parent.status = SequenceStatus.WAITING
                 parent.stop_reason = parent.finish_time = None
                 parent.generator = self._generator(req.params, 0)
             for seq in req.seqs:
@@ -415,9 +464,11 @@ class LLMEngine:
         return True
 
     def _record(self, work: SchedulerOutput, start: float, seats: list[int]) -> None:
+        self.stats.num_preemptions += len(work.preempted)
+        if not self.record_steps:
+            return
         prefill = sum(s.num_new for s in work.scheduled if s.prefill)
         decode = sum(1 for s in work.scheduled if not s.prefill)
-        self.stats.num_preemptions += len(work.preempted)
         self.stats.steps.append(StepRecord(
             step=len(self.stats.steps), start_s=start, end_s=self.now(),
             num_seqs=len(work.scheduled), prefill_tokens=prefill, decode_tokens=decode,
@@ -485,17 +536,36 @@ def settled_length(text: str, stop: Seq[str]) -> int:
 
     Held back: a trailing half character (U+FFFD until its other bytes arrive) and a tail
     that could be the beginning of a stop string — the next tokens may complete it, and
-    then it must never have been shown. Everything before that is final.
+    then it must never have been shown. Everything before that is final. (The engine's
+    incremental detokenizer never emits a half character, so :meth:`LLM._new_text` needs
+    only the second rule, on the last characters.)
     """
     end = len(text)
     while end and text[end - 1] == "\ufffd":
         end -= 1
-    longest = max((len(s) for s in stop), default=0)
-    for start in range(max(0, end - longest + 1), end):
-        tail = text[start:end]
-        if any(s.startswith(tail) for s in stop):
-            return start
-    return end
+    return end - stop_prefix_length(text[:end], stop)
+
+
+def _blame(exc: BaseException, request_ids: Seq[int]) -> None:
+    """Note on a step's exception which requests' own parameters raised it (an empty list:
+    none alone). The exception is re-raised unchanged; a server reads the note to fail
+    those requests only (``llmlab.serve.loop``)."""
+    exc.llmlab_culprits = tuple(request_ids)
+
+
+def culprits(exc: BaseException) -> tuple[int, ...]:
+    """The request ids a failed :meth:`LLMEngine.step` blamed its exception on (see
+    :func:`_blame`): empty when no single request's parameters were at fault."""
+    return tuple(getattr(exc, "llmlab_culprits", ()))
+
+
+def chat_prompt(tokenizer, messages) -> tuple[str, list[int]]:
+    """One conversation ({"role", "content"} dicts) through ``tokenizer``'s chat template,
+    assistant turn header added: its text and token ids (what :meth:`LLM.chat` and the HTTP
+    server's chat route feed the engine)."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                         tokenize=False)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _as_params(sampling_params, n: int) -> list[SamplingParams]:
@@ -711,9 +781,7 @@ class LLM:
         """One conversation ({"role", "content"} dicts) through the model's chat template,
         assistant turn header added: its text and token ids (what :meth:`chat` and the HTTP
         server's chat route feed the engine)."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                  tokenize=False)
-        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt(self.tokenizer, messages)
 
     def stream(self, prompts, sampling_params: SamplingParams | list | None = None
                ) -> Iterator[TokenEvent]:
@@ -727,7 +795,7 @@ class LLM:
         """
         reqs = self._submit(prompts, sampling_params, None)
         index = {r.request_id: i for i, r in enumerate(reqs)}
-        shown: dict[int, str] = {}
+        shown: dict[int, int] = {}
         eng = self.engine
         t = eng.now()
         try:
@@ -745,19 +813,25 @@ class LLM:
         finally:
             eng.stats.wall_s += eng.now() - t
 
-    def _new_text(self, seq: Sequence, shown: dict[int, str]) -> str:
-        """The text a completion adds since the last event (``shown`` keeps what each
-        completion has shown so far)."""
-        before = shown.get(seq.seq_id, "")
+    def _new_text(self, seq: Sequence, shown: dict[int, int]) -> str:
+        """The text a completion adds since the last event (``shown`` keeps how many
+        characters each completion has shown so far). Costs O(new text + longest stop
+        string) while it runs: the engine has decoded the new tokens already
+        (``seq.detok``); only a tail that may become a stop string is held back. The
+        pieces concatenate exactly to the final text, which never cuts into what was
+        shown: a stop string is cut where it starts, and no part of it was shown."""
+        done = shown.get(seq.seq_id, 0)
         if seq.finished:
-            text = seq.text
-        else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            text = text[:settled_length(text, seq.request.params.stop)]
-        if not text.startswith(before):    # decoding rewrote earlier text: wait until it agrees
+            shown[seq.seq_id] = max(done, len(seq.text))
+            return seq.text[done:]
+        text, stop = seq.detok, seq.request.params.stop
+        settled = text.length
+        if stop:
+            settled -= stop_prefix_length(text.tail(max(map(len, stop)) - 1), stop)
+        if settled <= done:
             return ""
-        shown[seq.seq_id] = text
-        return text[len(before):]
+        shown[seq.seq_id] = settled
+        return text.tail(text.length - done)[:settled - done]
 
     def beam_search(self, prompts, params: BeamSearchParams | int, max_tokens: int | None = None,
                     *, ignore_eos: bool = False, temperature: float = 0.0,
@@ -798,4 +872,5 @@ class LLM:
         return self.engine.stats
 
 
-__all__ = ["LLM", "LLMEngine", "EngineStats", "StepRecord", "TokenEvent", "settled_length"]
+__all__ = ["LLM", "LLMEngine", "EngineStats", "StepRecord", "TokenEvent", "settled_length",
+           "chat_prompt", "culprits"]

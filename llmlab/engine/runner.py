@@ -32,6 +32,7 @@ from ..cache.packed import PackedPagedCache
 from ..cache.paged import PagedKVCache
 from ..prompts import left_pad
 from .scheduler import SchedulerOutput
+from .sequence import token_slice
 
 # the option's old name and value, accepted with a DeprecationWarning
 _OLD_NAMES = {"gather": "paged_sdpa"}
@@ -103,7 +104,7 @@ class ModelRunner:
         if top >= ctx:
             raise ValueError(f"position {top} is past the model's context of {ctx} tokens")
         self.paged.copy_blocks(step.block_copies)
-        ids = [s.seq.all_token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new]
+        ids = [token_slice(s.seq, s.seq.num_computed, s.seq.num_computed + s.num_new)
                for s in step.scheduled]
         dev = self.model.device
         # a step of single-token decodes has nothing to pad: both layouts are the same,
@@ -120,14 +121,13 @@ class ModelRunner:
         """The decoder over prepared inputs -> float32 logits [batch, vocab], computed only at
         each sequence's last token (the vocabulary projection is the most expensive matmul
         per token). Reads nothing back from the device."""
-        m = self.model
-        x = m.embed_tokens(inputs.input_ids)
-        for layer in m.layers:
-            x = layer(x, inputs.positions, inputs.cache)
-        last = x[0, inputs.last_rows] if inputs.last_rows is not None else x[:, -1]
+        rows = inputs.last_rows if inputs.last_rows is not None else "last"
+        logits = self.model.step(inputs.input_ids, inputs.positions, inputs.cache, rows=rows)
+        if inputs.last_rows is None:
+            logits = logits[:, -1]
         # sampling in float32 whatever the model's dtype: bfloat16 logits tie often and
         # their softmax is coarse
-        return m.lm_head(m.norm(last)).float()
+        return logits.float()
 
 
 def padding_tokens(lengths: list[int]) -> int:

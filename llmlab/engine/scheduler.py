@@ -258,7 +258,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            _, cow = self.bm.append_slot(seq.seq_id, seq.all_token_ids[-1])
+            _, cow = self.bm.append_slot(seq.seq_id, seq.last_token_id)
             if cow is not None:
                 out.block_copies.append(cow)
             out.scheduled.append(ScheduledSeq(seq, seq.num_uncomputed, prefill=False))

@@ -23,6 +23,7 @@ import torch
 
 from ..profiling.metrics import RequestMetrics
 from ..sampling import check_sampling_args, has_penalties
+from .detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -30,11 +31,12 @@ class SamplingParams:
     """How to turn logits into tokens for one request (vLLM's names and meanings,
     https://docs.vllm.ai/en/latest/api/vllm/sampling_params/).
 
-    ``temperature=0`` is greedy. ``top_k`` None (or -1) and ``top_p`` 1.0 disable those
-    filters. ``n`` completions share the prompt's KV blocks (a fork, copy-on-write).
+    ``temperature=0`` is greedy. ``top_k`` None (or 0 or -1) and ``top_p`` 1.0 disable
+    those filters. ``n`` completions share the prompt's KV blocks (a fork, copy-on-write).
     ``stop``: strings that end a completion (not included in its text). ``ignore_eos``
-    keeps generating past the end-of-sequence token. ``seed`` makes sampling
-    reproducible per request, whatever else is in the batch.
+    keeps generating past the end-of-sequence token. ``seed`` (a 64-bit signed int) makes
+    sampling reproducible per request, whatever else is in the batch; completion ``i`` of
+    ``n`` uses ``seed + i``.
 
     ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is off) lower the logits
     of tokens the completion has already generated, once / once per occurrence;
@@ -69,7 +71,7 @@ class SamplingParams:
                             presence_penalty=self.presence_penalty,
                             frequency_penalty=self.frequency_penalty,
                             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
-        if self.top_k == -1:
+        if self.top_k in (0, -1):        # both spell "no top-k filter" (vLLM: -1, and 0)
             self.top_k = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -89,6 +91,18 @@ class SamplingParams:
         """Whether any penalty changes the logits."""
         return has_penalties(self.presence_penalty, self.frequency_penalty,
                              self.repetition_penalty)
+
+
+def token_slice(seq, start: int, stop: int) -> list[int]:
+    """``(seq.prompt_token_ids + seq.output_token_ids)[start:stop]`` for 0 <= start <= stop,
+    without building the whole list: a decode step reads one token of a long sequence, and
+    must not cost more as the sequence grows. ``seq``: anything with those two lists (a
+    :class:`Sequence`, a beam)."""
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    p = len(prompt)
+    if start >= p:
+        return output[start - p:stop - p]
+    return prompt[start:stop] + output[:max(0, stop - p)]
 
 
 class SequenceStatus(enum.Enum):
@@ -120,11 +134,19 @@ class Sequence:
     finish_time: float | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    text: str = ""
+    text: str = ""                   # the final text, once finished
     logprobs: list[dict[int, float]] | None = None   # per output token, if params.logprobs
+    # the text so far, a few tokens at a time (LLMEngine._stop_check feeds it), and how
+    # much of it the stop strings have been searched in: per token, both cost O(1)
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer, repr=False)
+    stop_checked: int = 0
 
     def __post_init__(self) -> None:
         self.reset_logprobs()
+
+    def reset_text(self) -> None:
+        """Forget the text read so far (its output tokens were cleared)."""
+        self.detok, self.stop_checked, self.text = IncrementalDetokenizer(), 0, ""
 
     def reset_logprobs(self) -> None:
         """Empty log-probabilities when its request asks for them, else None."""
@@ -140,7 +162,16 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output tokens, a new list (O(length): not for every step)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]``, costing O(stop - start) (see :func:`token_slice`)."""
+        return token_slice(self, start, stop)
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +208,7 @@ class Request:
     arrival_time: float = 0.0        # engine clock (seconds since the engine started)
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
+    error_param: str | None = None   # the parameter that made it fail ("prompt", "n", ...)
 
     @property
     def finished(self) -> bool:
@@ -224,5 +256,5 @@ class RequestOutput:
     error: str | None = None
 
 
-__all__ = ["SamplingParams", "SequenceStatus", "Sequence", "Request", "CompletionOutput",
+__all__ = ["SamplingParams", "SequenceStatus", "Sequence", "token_slice", "Request", "CompletionOutput",
            "RequestOutput"]
