@@ -7,11 +7,17 @@ MODEL := data/models/smollm2-135m/manifest.json
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?=
 PYTEST_ARGS ?=
+# pytest workers: one per core, at most 4 (each loads its own models); torch threads are
+# split between them (llmlab.device.share_cores), so two workers do not fight over a core;
+# whole files go to one worker, so a notebook's cells run in order in one kernel
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := -n $(JOBS) --dist loadfile
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test bench notebooks gpu-check gpu-compile kernel-table clean
+.PHONY: setup lab test test-fast test-notebooks test-thorough bench notebooks gpu-check \
+	gpu-compile kernel-table clean
 
 setup: $(STAMP) $(MODEL)
 
@@ -47,8 +53,23 @@ $(MODEL): $(STAMP)
 lab: setup
 	$(BIN)/jupyter lab notebooks/ $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
+# Test tiers (times on a 2-core machine in the README):
+#   test           everything: unit, parity, property and notebook (nbval) tests
+#   test-fast      every module's unit and parity tests on the tiny models, one SmolLM2
+#                  parity test; no notebooks (run it before each commit)
+#   test-notebooks nbval over the shipped and the solution notebooks
+#   test-thorough  the full matrices that `make test` samples (marked `thorough`)
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest $(XDIST) -m "not slow and not thorough" tests $(PYTEST_ARGS)
+
+test-notebooks: setup
+	$(BIN)/python -m pytest $(XDIST) notebooks $(PYTEST_ARGS)
+
+test-thorough: setup
+	$(BIN)/python -m pytest $(XDIST) -m thorough tests $(PYTEST_ARGS)
 
 bench: setup
 	@for b in $$($(BIN)/python -c "from llmlab.bench.__main__ import names; print(*names())"); do \

@@ -108,6 +108,21 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def share_cores(processes: int) -> int:
+    """Give this process its share of the machine's cores when ``processes`` processes run
+    side by side (a parallel test run, several workers): torch's intra-op threads, and
+    ``OMP_NUM_THREADS`` for the processes it starts (notebook kernels, ranks), become
+    ``cores // processes`` (at least 1). Two processes that each take every core run
+    slower together than one after the other. Returns the thread count."""
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r} must be an int >= 1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // processes)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return threads
+
+
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for queued work on ``device`` (a no-op on CPU, where ops run eagerly)."""
     dev = default_device() if device is None else torch.device(device)

@@ -18,8 +18,12 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError
 
 HERE = Path(__file__).resolve().parent
+# The longest cell of any notebook takes under two minutes on a 2-core CPU; one that runs
+# five is hung (the same limit as `make test-notebooks`' --nbval-cell-timeout)
+CELL_TIMEOUT_S = 300
 
 
 def parse(text: str) -> list:
@@ -51,8 +55,19 @@ def build(src: Path, out: Path, execute: bool = True) -> float:
     nb.cells = parse(src.read_text())
     t = time.perf_counter()
     if execute:
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(out.parent)}}).execute()
+        running = [-1]
+
+        def started(cell, cell_index, **_):
+            running[0] = cell_index
+
+        client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                resources={"metadata": {"path": str(out.parent)}},
+                                on_cell_start=started)
+        try:
+            client.execute()
+        except CellTimeoutError as e:      # a hung cell fails with its place, not forever
+            raise SystemExit(f"{src.name}: cell {running[0]} did not finish within "
+                             f"{CELL_TIMEOUT_S} s\n{e}") from None
     for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
         cell["id"] = f"{out.stem[:20]}-{i}"
     nbformat.write(nb, str(out))

@@ -20,6 +20,11 @@ FRANCE = "What is the capital of France?"
 # "cuda" by name.
 llmlab.device.set_default_device("cpu")
 
+# A parallel run (pytest -n N, as `make test` does): each worker takes its share of the
+# cores, so that N workers do not each start a thread per core.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    llmlab.device.share_cores(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
 # Triton kernels run compiled where there is a GPU (llmlab sets TRITON_INTERPRET=1 only
 # without one), in the interpreter elsewhere: kernel tests put their tensors here.
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,7 +66,16 @@ def on_kernel_device(model):
     return copy.deepcopy(model).to(KERNEL_DEVICE)
 
 
+# Tests that load SmolLM2 (these fixtures) are slow, except the one marked `smoke`:
+# `make test-fast` keeps a single SmolLM2 parity test.
+SMOLLM2_FIXTURES = {"smollm2", "hf_smollm2"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ())) and \
+                item.get_closest_marker("smoke") is None:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -95,9 +109,9 @@ def tokenizer():
 def hf_smollm2():
     from transformers import AutoModelForCausalLM
 
-    from llmlab.models.registry import model_dir
+    from llmlab.models import resolve
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")),
+    return AutoModelForCausalLM.from_pretrained(str(resolve("smollm2-135m")),
                                                 dtype=torch.float32).eval()
 
 

@@ -9,6 +9,7 @@ from llmlab.engine import LLM
 from llmlab.traces import TRACES_DIR, load_trace
 
 
+@pytest.mark.slow
 def test_hf_positions_match_static_batching(smollm2, tokenizer, hf_smollm2):
     trace = load_trace(TRACES_DIR / "cpu.jsonl", 3, tokenizer=tokenizer)
     trace = [dataclasses.replace(r, output_tokens=n) for r, n in zip(trace, (3, 6, 2))]

@@ -57,6 +57,7 @@ def test_shared_index_gives_shared_scales():
     assert torch.equal(s, s[:4].repeat(3))
 
 
+@pytest.mark.slow
 def test_equalize_lowers_int8_output_error(smollm2, tokenizer):
     """End to end on SmolLM2: equalized int8 (RTN) beats plain int8 on held-out text."""
     from llmlab.quant import eval as qeval

@@ -97,6 +97,7 @@ def test_what_cannot_travel_is_refused_with_its_name(cell):
         launch(lambda: 1, 2)
 
 
+@pytest.mark.slow
 def test_launch_runs_a_notebook_function_on_two_ranks(cell):
     from llmlab.parallel.comm import time_allreduce
     from llmlab.parallel.workers import run_sequence

@@ -38,6 +38,7 @@ def test_the_distribution_test_passes_the_rule_and_rejects_resampling_from_p():
     assert bad["p_first"] < 1e-8 and bad["p_accepted"] > nb09.P_VALUE
 
 
+@pytest.mark.slow
 def test_the_library_rule_through_the_adapter_gives_greedy_tokens(smollm2, tokenizer):
     """The hook the checker uses: the library's own accept_reject (and the reference through
     the one-sequence adapter) plugged into greedy speculation give plain greedy's tokens."""

@@ -31,6 +31,7 @@ def _stops_at_finish_reason(lines):
         yield chunk
 
 
+@pytest.mark.slow
 def test_parse_sse_checker_passes_the_reference_on_the_live_stream(server):
     v = exercises.check("nb10.parse_sse", parse_sse, base_url=server.base_url,
                         model="tiny-llama")

@@ -65,3 +65,14 @@ def test_cli_list(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "tiny-mixtral" in out
+
+
+def test_a_missing_model_fails_with_the_fetch_command(tmp_path, monkeypatch):
+    """Every way in (resolve, load_model, load_tokenizer, the LLM) names the command."""
+    import llmlab
+    from llmlab.engine import LLM
+
+    monkeypatch.setenv("LLMLAB_MODELS_DIR", str(tmp_path))
+    for load in (F.resolve, llmlab.load_model, llmlab.load_tokenizer, LLM):
+        with pytest.raises(FileNotFoundError, match="python -m llmlab.models fetch smollm2-135m"):
+            load("smollm2-135m")

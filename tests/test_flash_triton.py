@@ -155,6 +155,7 @@ def test_float64_through_the_backend_runs_in_float32():
     assert rel_err(out, A.naive_attention(q, k, v)) <= 2e-6
 
 
+@pytest.mark.slow
 def test_model_with_flash_triton_gives_the_same_greedy_tokens(smollm2, tokenizer):
     prompt = "The capital of France is"
     model = on_kernel_device(smollm2)

@@ -85,6 +85,7 @@ def test_seeded_sampling_batched_as_alone(tiny, tiny_tok):
     assert other.token_ids != alone[0].token_ids
 
 
+@pytest.mark.slow
 def test_smollm2_short_beside_long_on_every_path(smollm2, tokenizer):
     """The real model, its context cut to leave the long prompt room for 3 tokens."""
     long_text = ("Here is a list of the planets of the solar system, from the closest to the "
@@ -111,6 +112,7 @@ def test_smollm2_short_beside_long_on_every_path(smollm2, tokenizer):
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == want
 
 
+@pytest.mark.slow
 def test_tensor_parallel_short_beside_long(tiny):
     """Two ranks run the same loop: batched as alone, and as one process (at tiny-llama's
     real context of 2,048 tokens: the ranks load the model from its files)."""

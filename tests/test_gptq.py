@@ -46,6 +46,7 @@ def _check_better_than_rtn(w, q, s, H):
     assert got * FACTOR < rtn, f"output error {got:.3e} not {FACTOR}x below RTN's {rtn:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer,name", LAYERS)
 def test_gptq_lowers_the_layer_output_error(smollm2, hessians, layer, name):
     w = smollm2.layers[layer].get_submodule(name).weight.detach()
@@ -81,6 +82,7 @@ def test_act_order_off_and_blocks_still_help(smollm2, hessians):
     assert _output_error(w, q, s, H) < _output_error(w, *quant.int8_quantize(w), H)
 
 
+@pytest.mark.slow
 def test_hessians_are_shared_by_layers_with_one_input(smollm2, hessians, cal_ids):
     cfg = smollm2.config
     assert len(hessians) == 7 * cfg.num_layers
@@ -208,6 +210,7 @@ def gptq_model(smollm2, cal_ids):
     return llmlab.quantize(smollm2, "int8", rounding="gptq", calibration=cal_ids)
 
 
+@pytest.mark.slow
 def test_gptq_model_generates_and_is_closer_to_float32(smollm2, tokenizer, gptq_model):
     assert gptq_model.quant_options["rounding"] == "gptq"
     rtn = llmlab.quantize(smollm2, "int8")

@@ -32,6 +32,7 @@ def test_a_failing_step_fails_the_check_and_every_step_is_logged(tmp_path):
     assert summary["machine"]["torch"] == torch.__version__
 
 
+@pytest.mark.slow
 def test_the_time_budget_is_enforced(tmp_path):
     steps = [step("slow", "import time; print('started', flush=True); time.sleep(60)"),
              step("never", "print('unreachable')")]
@@ -60,6 +61,7 @@ def test_without_cuda_it_says_so_and_fails(tmp_path, capsys):
     assert not (tmp_path / "gpu").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer to --gpu")
 def test_every_benchmark_accepts_gpu_and_says_it_needs_cuda():
     """``make gpu-check`` passes --gpu to every benchmark: none may refuse the option."""

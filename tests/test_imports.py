@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import llmlab
 import llmlab.kernels
 
@@ -183,6 +185,7 @@ def test_module_list_is_complete():
     assert all(p.exists() for p in module_files().values())
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own(tmp_path):
     names = all_modules()
     # run from an empty folder: from the repository root, ``kernels/`` would be importable

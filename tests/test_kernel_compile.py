@@ -53,6 +53,7 @@ def builds(all_builds):
     return all_builds[:-1]
 
 
+@pytest.mark.slow
 def test_every_kernel_builds_for_both_targets(builds):
     assert {(b.kernel, b.arch) for b in builds} == {(k, a) for k in R.KERNELS for a in R.ARCHS}
     for b in builds:
@@ -60,18 +61,21 @@ def test_every_kernel_builds_for_both_targets(builds):
         assert b.shared_bytes > 0, b
 
 
+@pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_no_build_spills_registers(builds):
     spilling = [f"{b.kernel} {b.variant} {b.config} {b.arch} {b.dtype}: {b.spill_bytes} B"
                 for b in builds if b.spills]
     assert not spilling, spilling
 
 
+@pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_shared_memory_fits_each_target(builds):
     over = [(b.kernel, b.config, b.arch, b.shared_bytes) for b in builds
             if not b.fits_shared_memory]
     assert not over, over
 
 
+@pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_half_precision_builds_use_tensor_cores(builds):
     for b in builds:
         if b.dtype == "fp32":
@@ -85,6 +89,7 @@ def test_half_precision_builds_use_tensor_cores(builds):
     assert wide and all(b.tensor_core_ops["HGMMA"] > 0 for b in wide)
 
 
+@pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_every_autotune_tile_was_built(builds):
     built = {(b.arch, b.dtype, b.config) for b in builds if b.kernel == "flash"}
     for arch in R.ARCHS:
@@ -103,6 +108,7 @@ def test_enough_spill_free_tiles_per_head_dim(arch, dtype):
     assert len(flash_attn.tile_configs("sm_90", 128, dtype)) >= MINIMAL_FA2_SPILL_FREE_D128
 
 
+@pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_a_tile_too_large_for_the_register_file_is_reported_as_spilling(all_builds):
     bad = all_builds[-1]
     assert (bad.kernel, bad.config, bad.dtype) == ("paged", SPILLING.config, "fp32")
@@ -124,6 +130,7 @@ def test_occupancy_against_the_arch_limits():
     assert R.occupancy("sm_90", 100, 164 * 1024, 4).blocks_per_sm == 1
 
 
+@pytest.mark.slow
 def test_report_command_prints_one_json_object_per_build():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "llmlab.kernels.report", "--kernel", "moe",

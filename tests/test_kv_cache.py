@@ -60,6 +60,7 @@ def test_cached_logits_match_full_forward_with_left_padding(smollm2, tokenizer):
     assert cache.real_lengths.tolist() == [len(f) for f in full]
 
 
+@pytest.mark.slow
 def test_cached_greedy_64_tokens_single_prompt(smollm2, tokenizer):
     out = llmlab.generate(smollm2, tokenizer, PROMPTS[1], max_new_tokens=64, ignore_eos=True,
                           kv_cache="contiguous")
@@ -69,6 +70,7 @@ def test_cached_greedy_64_tokens_single_prompt(smollm2, tokenizer):
     assert out.token_ids == ref[0]
 
 
+@pytest.mark.slow
 def test_cached_greedy_64_tokens_padded_batch(smollm2, tokenizer):
     outs = llmlab.generate(smollm2, tokenizer, PROMPTS, max_new_tokens=64, ignore_eos=True,
                            kv_cache="contiguous")
@@ -81,6 +83,7 @@ def test_cached_greedy_64_tokens_padded_batch(smollm2, tokenizer):
         assert o.token_ids == r, o.prompt
 
 
+@pytest.mark.slow
 def test_generate_with_and_without_cache_agree_including_eos(smollm2, tokenizer):
     prompts = [FRANCE, "2+2="]  # the first stops at the end-of-sequence token early
     base = llmlab.generate(smollm2, tokenizer, prompts, max_new_tokens=12)

@@ -96,6 +96,7 @@ def test_paged_cache_matches_contiguous_int8(tiny, backend):
     assert paged.k[0].dtype == torch.int8 and paged.k_scale[0].shape == (6, 4, paged.num_kv_heads)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_the_float32_cache_on_smollm2(smollm2, tokenizer):
     prompts = ["What is the capital of France?", "Write a haiku about autumn leaves."]
     ref = llmlab.generate(smollm2, tokenizer, prompts, max_new_tokens=16, kv_cache="contiguous")

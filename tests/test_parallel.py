@@ -12,7 +12,7 @@ from llmlab.config import ModelConfig
 from llmlab.layers.linear import (ColumnParallelLinear, RowParallelLinear,
                                   VocabParallelEmbedding, count_collectives)
 from llmlab.models.loader import read_state_dict, to_llmlab_names
-from llmlab.models.registry import model_dir
+from llmlab.models import resolve
 from llmlab.parallel import (RankError, build_tp_model, check_tp_degree, launch, load_tp_model,
                              parameter_bytes, valid_tp_degrees)
 from llmlab.parallel.workers import (generate_on_ranks, mlp_backward_on_ranks, parity_on_ranks,
@@ -55,8 +55,8 @@ def test_column_shards_concatenate_and_row_shards_sum_to_the_full_linear():
 
 
 def test_valid_degrees_and_a_clear_refusal():
-    smol = ModelConfig.from_file(model_dir("smollm2-135m"))
-    tiny = ModelConfig.from_file(model_dir("tiny-llama"))
+    smol = ModelConfig.from_file(resolve("smollm2-135m"))
+    tiny = ModelConfig.from_file(resolve("tiny-llama"))
     assert valid_tp_degrees(smol) == [1, 3]
     assert valid_tp_degrees(tiny) == [1, 2, 4]
     check_tp_degree(smol, 3)
@@ -64,14 +64,14 @@ def test_valid_degrees_and_a_clear_refusal():
         check_tp_degree(smol, 2)
     with pytest.raises(ValueError, match=r"tp=8 .*valid degrees: \[1, 2, 4\]"):
         build_tp_model(tiny, 0, 8)
-    moe = ModelConfig.from_file(model_dir("tiny-mixtral"))
+    moe = ModelConfig.from_file(resolve("tiny-mixtral"))
     with pytest.raises(ValueError, match="dense models"):
         check_tp_degree(moe, 2)
 
 
 def test_loader_reads_only_this_ranks_slices():
-    full = to_llmlab_names(read_state_dict(model_dir("smollm2-135m")), llmlab.ModelConfig.from_file(
-        model_dir("smollm2-135m")))
+    full = to_llmlab_names(read_state_dict(resolve("smollm2-135m")), llmlab.ModelConfig.from_file(
+        resolve("smollm2-135m")))
     m = load_tp_model("smollm2-135m", tp_rank=1, tp_size=3)  # no process group needed to load
     attn, mlp = m.layers[4].self_attn, m.layers[4].mlp
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
@@ -97,6 +97,7 @@ def test_launch_refuses_unimportable_functions_and_reports_a_failing_rank():
         launch(generate_on_ranks, 2, "smollm2-135m", [1, 2, 3], 2)
 
 
+@pytest.mark.slow
 def test_smollm2_tp3_matches_one_process(smollm2, tokenizer):
     ids = torch.tensor(encode_prompts(tokenizer, [FRANCE], chat=True))
     with torch.no_grad():

@@ -10,12 +10,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmlab.config import ModelConfig  # noqa: E402
-from llmlab.models.registry import model_dir  # noqa: E402
+from llmlab.models import resolve  # noqa: E402
 from llmlab.parallel.comm import (A100_NVLINK, A100_PCIE, LLAMA2_70B, allreduce_per_token,  # noqa: E402
                                   fit_latency_bandwidth, ring_allreduce_s, tp_decode_model)
 from llmlab.viz.tp import plot_allreduce, plot_time_per_token, plot_tp_scaling, plot_tp_split  # noqa: E402
 
-SMOL = ModelConfig.from_file(model_dir("smollm2-135m"))
+SMOL = ModelConfig.from_file(resolve("smollm2-135m"))
 
 
 def test_allreduce_accounting_for_smollm2():

@@ -8,23 +8,25 @@ from safetensors import safe_open
 
 import llmlab
 from llmlab import quant
-from llmlab.models.registry import model_dir
+from llmlab.models import resolve
 from llmlab.quant import eval as qeval
 from llmlab.kernels import cpu_gemv
 from llmlab.quant import formats
 
-SMOLLM2 = model_dir("smollm2-135m") / "model.safetensors"
+
+
+def smollm2_file():
+    """SmolLM2's float32 weights; FileNotFoundError naming the fetch command if missing."""
+    return resolve("smollm2-135m") / "model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def shipped():
     """A few real SmolLM2 linear weights, as loaded from the shipped float32 file."""
-    if not SMOLLM2.exists():
-        pytest.skip("smollm2-135m is not fetched")
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.7.mlp.down_proj.weight", "model.layers.15.self_attn.o_proj.weight",
              "model.layers.29.mlp.gate_proj.weight", "model.layers.29.mlp.up_proj.weight"]
-    with safe_open(str(SMOLLM2), "pt") as f:
+    with safe_open(str(smollm2_file()), "pt") as f:
         return {n: f.get_tensor(n) for n in names}
 
 
@@ -76,7 +78,7 @@ def test_q4_1_layout_matches_gguf_bytes():
 
 
 def test_q4_1_matches_gguf_reference_quantizer():
-    gquants = pytest.importorskip("gguf.quants")
+    from gguf import quants as gquants
     from gguf import GGMLQuantizationType
     torch.manual_seed(1)
     w = torch.randn(8, 96) * 0.05
@@ -89,9 +91,7 @@ def test_q4_1_matches_gguf_reference_quantizer():
 
 
 def test_q8_0_round_trip_of_shipped_embedding_is_exact():
-    if not SMOLLM2.exists():
-        pytest.skip("smollm2-135m is not fetched")
-    with safe_open(str(SMOLLM2), "pt") as f:
+    with safe_open(str(smollm2_file()), "pt") as f:
         w = f.get_slice("model.embed_tokens.weight")[:4096]      # a twelfth of the table: fast
     q, d = formats.q8_0_quantize(w)
     assert (formats.q8_0_dequantize(q, d) - w).abs().max().item() <= 1e-6
@@ -100,7 +100,7 @@ def test_q8_0_round_trip_of_shipped_embedding_is_exact():
 
 
 def test_q8_0_matches_gguf_reference_quantizer():
-    gquants = pytest.importorskip("gguf.quants")
+    from gguf import quants as gquants
     from gguf import GGMLQuantizationType
     torch.manual_seed(2)
     w = torch.randn(6, 64) * 0.1

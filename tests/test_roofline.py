@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from llmlab.config import ModelConfig  # noqa: E402
-from llmlab.models.registry import model_dir  # noqa: E402
+from llmlab.models import resolve  # noqa: E402
 from llmlab.profiling.flops import model_flops_per_token, weight_bytes  # noqa: E402
 from llmlab.profiling.roofline import (Ceilings, Cost, RooflinePoint, decode_cost,  # noqa: E402
                                        forward_cost, measure_bandwidth, measure_ceilings,
@@ -18,7 +18,7 @@ CEIL = Ceilings(bandwidth_bytes_per_s=10e9, peak_flops_per_s=100e9, device="test
 
 @pytest.fixture(scope="module")
 def cfg():
-    return ModelConfig.from_file(model_dir("smollm2-135m"))
+    return ModelConfig.from_file(resolve("smollm2-135m"))
 
 
 def test_decode_flops_match_the_per_token_counter(cfg):

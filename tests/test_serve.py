@@ -286,6 +286,7 @@ def test_full_waiting_queue_gets_503(tiny_model):
         srv.close()
 
 
+@pytest.mark.slow
 def test_sigint_stops_the_server_cleanly_and_answers_open_requests():
     port = free_port()
     proc = start_server("tiny-llama", "continuous", port, ["--graceful-timeout", "3"])

@@ -104,6 +104,7 @@ def test_sampled_speculation_is_seeded_and_stops_on_budget(tiny, tokenizer):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 20
 
 
+@pytest.mark.slow
 def test_greedy_speculation_on_smollm2(smollm2, tokenizer):
     prompts = ["Fix the spelling: The quick brown fox jumpd over the lazzy dog.",
                "What is the capital of France?"]
