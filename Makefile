@@ -58,18 +58,19 @@ lab: setup
 #   test-fast      every module's unit and parity tests on the tiny models, one SmolLM2
 #                  parity test; no notebooks (run it before each commit)
 #   test-notebooks nbval over the shipped and the solution notebooks
-#   test-thorough  the full matrices that `make test` samples (marked `thorough`)
+#   test-thorough  the full matrices that `make test` samples: every kernel build for
+#                  sm_80/sm_90 (LLMLAB_COMPILE=full) and 5x the property-test examples
 test: setup
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest $(XDIST) -m "not slow and not thorough" tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" tests $(PYTEST_ARGS)
 
 test-notebooks: setup
 	$(BIN)/python -m pytest $(XDIST) notebooks $(PYTEST_ARGS)
 
 test-thorough: setup
-	$(BIN)/python -m pytest $(XDIST) -m thorough tests $(PYTEST_ARGS)
+	LLMLAB_COMPILE=full LLMLAB_THOROUGH=1 $(BIN)/python -m pytest $(XDIST) tests $(PYTEST_ARGS)
 
 bench: setup
 	@for b in $$($(BIN)/python -c "from llmlab.bench.__main__ import names; print(*names())"); do \

@@ -13,6 +13,9 @@ import llmlab  # noqa: E402,F401  (sets TRITON_INTERPRET before any kernel impor
 import llmlab.device  # noqa: E402
 
 FRANCE = "What is the capital of France?"
+# `make test-thorough`: property tests draw five times the examples
+THOROUGH = os.environ.get("LLMLAB_THOROUGH") == "1"
+PROPERTY_EXAMPLES = 5 if THOROUGH else 1
 
 # Unmarked tests build their tensors on the CPU and check against CPU references (HF
 # transformers included): pin llmlab's default device there, so that a model loaded

@@ -17,7 +17,7 @@ import llmlab
 from llmlab.engine import LLM, SamplingParams
 from llmlab.engine.llm import settled_length
 
-from .conftest import FRANCE
+from .conftest import FRANCE, PROPERTY_EXAMPLES
 
 PHASES = ("schedule", "forward", "sample", "finish")
 POLICIES = {                              # name -> LLM keyword arguments
@@ -212,7 +212,10 @@ def workloads(draw):
     return policy, num_blocks, prompts, max_tokens, calls
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+EXAMPLES = 30 * PROPERTY_EXAMPLES
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(work=workloads())
 def random_interrupts_example(tiny, tiny_tok, work):
@@ -258,13 +261,13 @@ def random_interrupts_example(tiny, tiny_tok, work):
 
 
 def test_random_interrupts_never_lose_or_corrupt_a_request(tiny, tiny_tok):
-    """The property test over 30 random workloads; then, that it really interrupted calls
-    (at least 20 faults fired) and lost nothing."""
+    """The property test over 30 random workloads (150 in `make test-thorough`); then,
+    that it really interrupted calls (at least 20 faults per 30) and lost nothing."""
     for key in FAULT_LOG:
         FAULT_LOG[key] = 0
     random_interrupts_example(tiny, tiny_tok)
-    assert FAULT_LOG["examples"] == 30
-    assert FAULT_LOG["faults"] >= 20 and FAULT_LOG["lost"] == 0, FAULT_LOG
+    assert FAULT_LOG["examples"] == EXAMPLES
+    assert FAULT_LOG["faults"] >= 20 * PROPERTY_EXAMPLES and FAULT_LOG["lost"] == 0, FAULT_LOG
     print("property test:", FAULT_LOG)
 
 
