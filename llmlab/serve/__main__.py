@@ -1,7 +1,13 @@
 """``python -m llmlab.serve`` (and ``llmlab-serve``): load a model and serve it over HTTP.
 
     python -m llmlab.serve --model smollm2-135m --host 127.0.0.1 --port 8000 \\
-        [--scheduler continuous|static] [--max-num-seqs 16] [--max-waiting 256]
+        [--scheduler continuous|static] [--max-num-seqs 16] [--max-waiting 256] \\
+        [--api-key KEY] [--max-body-bytes 1048576] [--max-connections 512]
+
+``--api-key`` (or ``$LLMLAB_API_KEY``, which keeps the key out of the process list) makes
+the ``/v1`` routes ask for ``Authorization: Bearer KEY``. Bound to an address other than
+loopback without a key, the server says so on start: anyone who can reach the port may
+use it.
 
 uvicorn handles SIGINT and SIGTERM: it stops accepting connections; the engine thread
 stops after its current step, and every open request gets an error response saying the
@@ -11,6 +17,8 @@ exits with status 0.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import signal
 import sys
 
@@ -37,10 +45,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--graceful-timeout", type=float, default=5.0,
                     help="seconds uvicorn waits for connections to close on SIGINT/SIGTERM")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LLMLAB_API_KEY)")
+    ap.add_argument("--max-body-bytes", type=int, default=2**20,
+                    help="larger request bodies get 413")
+    ap.add_argument("--max-connections", type=int, default=512,
+                    help="connections (and requests in flight) at once; more get 503")
     args = ap.parse_args(argv)
     if not 0 < args.port < 65536:
         ap.error(f"--port={args.port} must be in 1..65535")
+    for name in ("max_body_bytes", "max_connections"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     return args
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                       # a host name: it may resolve to anything
+        return False
+
+
+def startup_warnings(host: str, api_key: str | None) -> list[str]:
+    """What the server should tell its operator on start."""
+    if api_key is None and not is_loopback(host):
+        return [f"llmlab.serve: warning: listening on {host}, which is not a loopback "
+                "address, without an API key: anyone who can reach this port may use the "
+                "model. Pass --api-key (or set LLMLAB_API_KEY), or bind to 127.0.0.1."]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +95,18 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
               seed=args.seed)
-    app = create_app(llm, args.model, max_waiting=args.max_waiting)
+    app = create_app(llm, args.model, max_waiting=args.max_waiting, api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes, max_connections=args.max_connections)
+    for line in startup_warnings(args.host, args.api_key):
+        print(line, file=sys.stderr, flush=True)
     print(f"llmlab.serve: {args.model} ({args.scheduler}) on http://{args.host}:{args.port}/v1",
           flush=True)
     # uvicorn catches SIGINT/SIGTERM, shuts down (the engine thread too), then re-raises the
     # signal to the previous handlers: make both end the process with status 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+                            timeout_graceful_shutdown=args.graceful_timeout,
+                            limit_concurrency=args.max_connections)
     try:
         _server_class(uvicorn)(config, app.state.server.loop).run()
     except KeyboardInterrupt:

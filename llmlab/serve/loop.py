@@ -1,21 +1,38 @@
 """The one engine loop behind every HTTP request (continuous batching across clients).
 
 A server has one :class:`~llmlab.engine.LLMEngine` and one thread that owns it: only that
-thread calls ``add_request``, ``step`` and ``abort_request``, so the engine needs no
-lock. HTTP handlers run on the asyncio event loop; they hand a request to the thread
-through a command queue, and the thread puts what happens to it (accepted or rejected,
-each new token, the final output, an error) on the request's own ``asyncio.Queue``
-with ``loop.call_soon_threadsafe``. Commands are taken between two steps, so a request
-that arrives while a batch is decoding joins it at the next step: with the
-``"continuous"`` scheduler that is iteration-level batching (Orca, Yu et al., OSDI 2022,
+thread calls ``add_request``, ``step`` and ``abort_request``, and only it uses the LLM's
+tokenizer (the engine decodes the new tokens), so neither needs a lock. HTTP handlers run
+on the asyncio event loop; they hand a request to the thread through a command queue, and
+the thread puts what happens to it (accepted or rejected, each new token, the final output,
+an error) on the request's own ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+Commands are taken between two steps, so a request that arrives while a batch is decoding
+joins it at the next step: with the ``"continuous"`` scheduler that is iteration-level
+batching (Orca, Yu et al., OSDI 2022,
 https://www.usenix.org/conference/osdi22/presentation/yu) across HTTP clients.
 
-Faults: a client that goes away sends an ``abort`` command (its blocks are freed by the
-engine thread); a step that raises fails every request in the engine with an error
-event, and the loop goes on with the next requests; a full waiting queue refuses new
-requests at once (:class:`QueueFull`), which keeps it bounded; :meth:`EngineLoop.stop`
-ends the thread and fails whatever is still queued. Every submitted request gets
-exactly one final event (``done``, ``rejected`` or ``error``). Taught in notebook 10.
+Faults, and why one request cannot fail another:
+
+* taking a command, adding a request and delivering a request's tokens are guarded one
+  request at a time: an exception fails that request alone (``rejected`` when its input
+  was refused, ``error`` otherwise);
+* a step that raises has already put the engine back in order (its sequences wait to be
+  recomputed). The engine notes on the exception which requests' own parameters raised it
+  (:func:`llmlab.engine.llm.culprits`); those fail, and the others go on at the next step.
+  An exception no request is blamed for (the forward itself) fails the requests of that
+  step, not the ones still waiting;
+* the thread itself ends only with :meth:`EngineLoop.stop`, or on an exception no guard
+  expected (``BaseException``): then :attr:`EngineLoop.death` says why, every open request
+  gets an error, and :meth:`submit` refuses at once (:class:`EngineDead`; the server
+  answers 503 and ``/health`` gives the reason);
+* a client that goes away sends an ``abort`` command (its blocks are freed by the engine
+  thread); a full waiting queue refuses new requests at once (:class:`QueueFull`), which
+  keeps it bounded; :meth:`EngineLoop.stop` ends the thread and fails whatever is still
+  queued (:class:`ShuttingDown`).
+
+Every submitted request gets exactly one final event (``done``, ``rejected`` or
+``error``). While serving, the engine keeps no per-step log (it would grow forever).
+Taught in notebook 10.
 """
 from __future__ import annotations
 
@@ -26,10 +43,32 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..engine import LLM, SamplingParams
+from ..engine.llm import culprits
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue holds ``max_waiting`` requests; the server answers 503."""
+class Refused(RuntimeError):
+    """The loop takes no new request now; ``code`` is the error code a server answers
+    (with 503: try again later, or elsewhere)."""
+
+    code = "unavailable"
+
+
+class QueueFull(Refused):
+    """The waiting queue holds ``max_waiting`` requests."""
+
+    code = "queue_full"
+
+
+class ShuttingDown(Refused):
+    """:meth:`EngineLoop.stop` was called: the server is going away."""
+
+    code = "shutting_down"
+
+
+class EngineDead(Refused):
+    """The engine thread ended on an exception (:attr:`EngineLoop.death` says which)."""
+
+    code = "engine_dead"
 
 
 @dataclass
@@ -38,9 +77,10 @@ class Event:
 
     ``kind``: ``"accepted"``; ``"token"`` (``index`` of the completion, ``token_id``,
     ``text`` newly shown, ``finish_reason`` once it ends, ``logprobs`` of the token);
-    ``"done"`` (``output``, the
-    final :class:`~llmlab.engine.RequestOutput`); ``"rejected"`` (a 400: ``message``);
-    ``"error"`` (a 500 or a 503: ``message``)."""
+    ``"done"`` (``output``, the final :class:`~llmlab.engine.RequestOutput`);
+    ``"rejected"`` (its input was refused, a 400: ``message``, and ``param``, the field
+    to blame); ``"error"`` (``message``; ``code`` ``"engine_error"`` for a 500,
+    ``"shutting_down"`` or ``"engine_dead"`` for a 503)."""
 
     kind: str
     index: int = 0
@@ -50,6 +90,8 @@ class Event:
     output: object = None
     message: str = ""
     logprobs: dict | None = None           # this token's {token id: logprob}, if asked for
+    param: str | None = None
+    code: str | None = None
 
 
 @dataclass(eq=False)
@@ -63,7 +105,7 @@ class Handle:
     aloop: asyncio.AbstractEventLoop
     request_id: int | None = None          # the engine's, once accepted
     request: object = None                 # the engine's Request, once accepted
-    shown: dict = field(default_factory=dict)
+    shown: dict = field(default_factory=dict)   # characters shown, per completion
     closed: bool = False                   # a final event was sent
 
 
@@ -80,10 +122,12 @@ class EngineLoop:
         self.llm, self.engine = llm, llm.engine
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.death: str | None = None        # why the thread died, if it did
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._closed = False                 # the thread takes no more commands
         self._queued = 0                     # submitted, not yet taken by the thread
         self._handles: dict[int, Handle] = {}
         self.num_running = self.num_waiting_in_engine = self.kv_blocks_used = 0
@@ -104,23 +148,37 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    def health(self) -> tuple[bool, str]:
+        """(serving?, why not): for ``/health``."""
+        if self.death is not None:
+            return False, f"the engine thread died: {self.death}"
+        if self._stop.is_set() or self._closed:
+            return False, "the server is shutting down"
+        if not self._thread.is_alive():
+            return False, "the engine thread is not running"
+        return True, "ok"
+
     @property
     def num_waiting(self) -> int:
         return self._queued + self.num_waiting_in_engine
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                prompt: str | None = None) -> Handle:
-        """Queue a request for the engine thread; its events arrive on ``handle.events``."""
-        with self._lock:
-            if self._stop.is_set():
-                raise QueueFull("the server is shutting down")
+        """Queue a request for the engine thread; its events arrive on ``handle.events``.
+        Raises :class:`EngineDead`, :class:`ShuttingDown` or :class:`QueueFull` (all
+        :class:`Refused`) when the thread will not take it."""
+        aloop = asyncio.get_running_loop()
+        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(), aloop)
+        with self._lock:                     # the thread closes under this lock: no command
+            if self.death is not None:       # is queued after its last look at the queue
+                raise EngineDead(f"the engine thread died: {self.death}")
+            if self._stop.is_set() or self._closed:
+                raise ShuttingDown("the server is shutting down")
             if self.num_waiting >= self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests "
                                 "wait for a seat); retry later")
             self._queued += 1
-        aloop = asyncio.get_running_loop()
-        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(), aloop)
-        self._commands.put(("add", h))
+            self._commands.put(("add", h))
         self._wake.set()
         return h
 
@@ -138,28 +196,51 @@ class EngineLoop:
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        self.engine.record_steps = False     # a server steps forever: no step log
+        reason, code = "the server is shutting down", ShuttingDown.code
         try:
             while not self._stop.is_set():
-                self._wake.clear()           # before taking commands: no wake-up is lost
-                self._take_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(1.0)
-                    continue
                 try:
-                    produced = self.engine.step()
-                except Exception as e:       # the engine has recovered; fail its requests
+                    self._iterate()
+                except Exception as e:       # a fault in the loop itself, not a request's
                     traceback.print_exc()
-                    self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
-                    continue
-                self._deliver(produced)
-                self._update_gauges()
-                if self.engine.idle:         # nothing could run: do not spin
-                    self._wake.wait(0.01)
+                    self._fail_all(f"the server failed: {type(e).__name__}: {e}")
+        except BaseException as e:           # nothing expected this: the thread ends
+            self.death = f"{type(e).__name__}: {e}"
+            reason, code = f"the engine thread died: {self.death}", EngineDead.code
+            traceback.print_exc()
         finally:
-            self._take_commands(refuse=True)
-            self._fail_all("the server is shutting down", kind="error")
+            with self._lock:
+                self._closed = True
+            self._take_commands(refuse=(reason, code))
+            self._fail_all(reason, code)
+            self.engine.record_steps = True
             if self.llm.served_by is self:
                 self.llm.served_by = None
+
+    def _iterate(self) -> None:
+        self._wake.clear()                   # before taking commands: no wake-up is lost
+        self._take_commands()
+        if not self.engine.has_unfinished():
+            self._wake.wait(1.0)
+            return
+        try:
+            produced = self.engine.step()
+        except Exception as e:               # the engine has recovered: blame, then go on
+            traceback.print_exc()
+            message = f"the engine failed on this request: {type(e).__name__}: {e}"
+            blamed = culprits(e) or self.engine.step_request_ids
+            if blamed:
+                for rid in blamed:
+                    self._fail(self._handles.get(rid), message)
+            else:
+                self._fail_all(message)
+            self._update_gauges()
+            return
+        self._deliver(produced)
+        self._update_gauges()
+        if self.engine.idle:                 # nothing could run: do not spin
+            self._wake.wait(0.01)
 
     def _post(self, h: Handle, event: Event) -> None:
         if h.closed:
@@ -170,32 +251,36 @@ class EngineLoop:
         except RuntimeError:                 # the event loop is closed: nobody listens
             pass
 
-    def _take_commands(self, refuse: bool = False) -> None:
+    def _take_commands(self, refuse: tuple[str, str] | None = None) -> None:
         while True:
             try:
                 cmd, h = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if cmd == "add":
-                with self._lock:
-                    self._queued -= 1
-                if refuse:
-                    self._post(h, Event("error", message="the server is shutting down"))
-                else:
-                    self._add(h)
-            elif h.request_id is not None and not h.closed:
-                self.engine.abort_request(h.request_id)
-                self._finish(h)
+            try:
+                if cmd == "add":
+                    with self._lock:
+                        self._queued -= 1
+                    if refuse is not None:
+                        self._post(h, Event("error", message=refuse[0], code=refuse[1]))
+                    else:
+                        self._add(h)
+                elif h.request_id is not None and not h.closed:
+                    self.engine.abort_request(h.request_id)
+                    self._finish(h)
+            except Exception as e:           # this request fails; the others are taken
+                traceback.print_exc()
+                self._fail(h, f"the server failed on this request: {type(e).__name__}: {e}")
         self._update_gauges()
 
     def _add(self, h: Handle) -> None:
         try:
             req = self.engine.add_request(h.prompt_token_ids, h.params, h.prompt)
-        except ValueError as e:
-            self._post(h, Event("rejected", message=str(e)))
+        except ValueError as e:              # the engine refused the input (token ids)
+            self._post(h, Event("rejected", message=str(e), param="prompt"))
             return
         if req.error is not None:
-            self._post(h, Event("rejected", message=req.error))
+            self._post(h, Event("rejected", message=req.error, param=req.error_param))
             return
         h.request_id, h.request = req.request_id, req
         self._handles[req.request_id] = h
@@ -209,16 +294,21 @@ class EngineLoop:
             h = self._handles.get(seq.request.request_id)
             if h is None:
                 continue
-            # LLM.stream's rule: hold back half characters and possible stop strings
-            text = self.llm._new_text(seq, h.shown)
-            lps = getattr(seq, "logprobs", None)
-            self._post(h, Event("token", seq.index, tok, text,
-                                seq.status.value if seq.finished else None,
-                                logprobs=lps[-1] if lps else None))
-            if seq.request.finished:
-                done.append(h)
+            try:
+                # LLM.stream's rule: hold back what may become a stop string
+                text = self.llm._new_text(seq, h.shown)
+                lps = getattr(seq, "logprobs", None)
+                self._post(h, Event("token", seq.index, tok, text,
+                                    seq.status.value if seq.finished else None,
+                                    logprobs=lps[-1] if lps else None))
+                if seq.request.finished:
+                    done.append(h)
+            except Exception as e:           # this request fails; the others get their tokens
+                traceback.print_exc()
+                self._fail(h, f"the server failed on this request: {type(e).__name__}: {e}")
         for h in dict.fromkeys(done):
-            self._finish(h)
+            if not h.closed:
+                self._finish(h)
 
     def _finish(self, h: Handle) -> None:
         """The request is finished (or aborted): its final output, once, and metrics."""
@@ -230,11 +320,21 @@ class EngineLoop:
                     self.metrics.observe(c.metrics, c.finish_reason)
         self._post(h, Event("done", output=out))
 
-    def _fail_all(self, message: str, kind: str = "error") -> None:
-        for rid, h in list(self._handles.items()):
-            self.engine.abort_request(rid)
-            self._handles.pop(rid, None)
-            self._post(h, Event(kind, message=message))
+    def _fail(self, h: Handle | None, message: str, code: str = "engine_error") -> None:
+        """One request ends with an error event; the engine drops it (frees its blocks)."""
+        if h is None:
+            return
+        if h.request_id is not None:
+            self._handles.pop(h.request_id, None)
+            try:
+                self.engine.abort_request(h.request_id)
+            except Exception:                # its error event must still go out
+                traceback.print_exc()
+        self._post(h, Event("error", message=message, code=code))
+
+    def _fail_all(self, message: str, code: str = "engine_error") -> None:
+        for h in list(self._handles.values()):
+            self._fail(h, message, code)
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -244,4 +344,5 @@ class EngineLoop:
         self.kv_blocks_used = self.engine.cache.manager.num_used_blocks
 
 
-__all__ = ["EngineLoop", "Event", "Handle", "QueueFull"]
+__all__ = ["EngineLoop", "Event", "Handle", "Refused", "QueueFull", "ShuttingDown",
+           "EngineDead"]

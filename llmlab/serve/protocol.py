@@ -5,6 +5,12 @@ reference (https://platform.openai.com/docs/api-reference/completions,
 https://platform.openai.com/docs/api-reference/chat). A value outside them is refused
 with a 400 whose body names the field, as OpenAI's own server does. ``top_k``,
 ``repetition_penalty`` and ``ignore_eos`` are vLLM's extensions of the same bodies.
+
+Bounds that keep one client from costing the server more than its share: ``stop`` holds
+at most :data:`MAX_STOP` strings (OpenAI's limit) of at most :data:`MAX_STOP_CHARS`
+characters each (the stop check reads that many characters per token); ``seed`` is a
+64-bit signed int (vLLM's bound; completion ``i`` uses ``seed + i``); no number may be
+NaN or infinite (JSON has no such values, though Python's parser takes them).
 :func:`sampling_kwargs` turns a request into :class:`~llmlab.engine.SamplingParams`
 arguments, passing only the fields the client set. Taught in notebook 10.
 """
@@ -12,9 +18,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..sampling import SEED_MAX, SEED_MIN
+
+MAX_STOP = 4                 # stop strings per request (the OpenAI API's limit)
+MAX_STOP_CHARS = 256         # characters per stop string
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 # request fields passed to SamplingParams under the same name
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed",
@@ -23,7 +35,7 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", 
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -33,8 +45,8 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -130,5 +142,5 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "sampling_kwargs",
+__all__ = ["MAX_STOP", "MAX_STOP_CHARS", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "sampling_kwargs",
            "error_body", "completion_choice", "response_body", "usage", "new_id"]
