@@ -95,8 +95,8 @@ class ContiguousBatch:
     protocol: the prompts run once, then each step feeds one token per row."""
 
     def __init__(self, model, prompts: list[list[int]], pad_token_id: int, max_new: int,
-                 kv_cache: str = "contiguous", kv_dtype: str = "auto"):
-        self.model, self.pad_token_id = model, pad_token_id
+                 kv_cache: str = "contiguous", kv_dtype: str = "auto", step=None):
+        self.model, self.pad_token_id, self.step = model, pad_token_id, step
         self.ids, mask = left_pad(prompts, pad_token_id, model.device)
         self.mask = None if bool(mask.all()) else mask
         options = {} if kv_dtype == "auto" else {"kv_dtype": kv_dtype}
@@ -115,7 +115,13 @@ class ContiguousBatch:
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         new, real = _next_column(len(self.ids), rows, tokens, self.pad_token_id, self.model.device)
-        return self._forward(new, real)[rows]
+        if self.step is None:
+            return self._forward(new, real)[rows]
+        # the compiled step: same shapes at every position (a finished row feeds a pad)
+        positions = self.cache.begin(1, real)
+        logits = self.step(new, positions, self.cache)
+        self.cache.advance()
+        return logits[rows]
 
     def release(self, row: int) -> None:
         pass
@@ -188,7 +194,16 @@ class TokenRun:
 
 def _make_batch(model, prompts: list[list[int]], budgets: list[int], pad_token_id: int,
                 kv_cache, block_size: int, num_blocks: int | None,
-                paged_attention: str | None, kv_dtype: str = "auto"):
+                paged_attention: str | None, kv_dtype: str = "auto", compile: bool = False):
+    if compile:
+        from .compile import compiled_step
+
+        if kv_cache not in ("none", "static"):
+            raise ValueError(f"compile=True runs the decode step on the static cache (fixed "
+                             f"shapes: one graph for every position); got kv_cache={kv_cache!r}, "
+                             "allowed: 'static' (or leave the default)")
+        return ContiguousBatch(model, prompts, pad_token_id, max(budgets), "static", kv_dtype,
+                               step=compiled_step(model))
     if check_kv_dtype(kv_dtype) != "auto" and (isinstance(kv_cache, PagedKVCache)
                                                or kv_cache == "none"):
         raise ValueError(f"kv_cache_dtype={kv_dtype!r} needs kv_cache='contiguous' or 'paged' "
@@ -220,7 +235,7 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
                        agree: Callable[[list[int]], list[int]] | None = None,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0,
-                       kv_cache_dtype: str = "auto") -> list[TokenRun]:
+                       kv_cache_dtype: str = "auto", compile: bool = False) -> list[TokenRun]:
     """The generation loop every path shares: prefill, then sample / stop / decode.
 
     ``prompts``: token ids per prompt (checked by the caller). Each prompt gets exactly
@@ -234,6 +249,7 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
     repeated prompt prefixes). ``agree`` maps the sampled tokens to the ones every
     process uses (tensor parallelism broadcasts rank 0's choice). The penalties are the
     engine's (:func:`llmlab.sampling.apply_penalties`), applied before sampling.
+    ``compile``: decode with the compiled step on a static cache (:mod:`llmlab.compile`).
     """
     penalized = has_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     ctx = model.config.max_position_embeddings
@@ -242,7 +258,7 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
     generators = [torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
                   for _ in prompts]
     batch = _make_batch(model, prompts, budgets, pad_token_id, kv_cache, block_size,
-                        num_blocks, paged_attention, kv_cache_dtype)
+                        num_blocks, paged_attention, kv_cache_dtype, compile)
     runs = [TokenRun(num_cached_tokens=c) for c in batch.num_cached]
     sync(dev)
     t0 = time.perf_counter()
@@ -288,7 +304,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
              block_size: int = 16, num_blocks: int | None = None,
              paged_attention: str | None = None, speculative=None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repetition_penalty: float = 1.0, kv_cache_dtype: str = "auto"):
+             repetition_penalty: float = 1.0, kv_cache_dtype: str = "auto",
+             compile: bool = False):
     """Generate for one prompt (returns a :class:`Generation`) or a list (returns a list).
 
     ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
@@ -314,6 +331,10 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     engine's :class:`~llmlab.engine.SamplingParams` (not with ``speculative``).
     ``kv_cache_dtype="int8"``: the contiguous or paged cache stores K/V in int8, one scale
     per token and KV head (``kv_dtype`` of :class:`llmlab.cache.ContiguousKVCache`).
+    ``compile=True`` (vLLM's ``enforce_eager=False``): the prompt runs eagerly, then every
+    decode step runs one graph compiled by ``torch.compile`` (CUDA graphs on a GPU) over a
+    :class:`llmlab.cache.StaticKVCache` (``kv_cache="static"``, fixed shapes, the default
+    then); the first call of a batch size compiles (notebook 11, :mod:`llmlab.compile`).
     """
     check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -332,6 +353,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if speculative is not None:
         spec = SpeculativeConfig.coerce(speculative)
+        if compile:
+            raise ValueError("compile=True does not apply to speculative decoding yet; pass one")
         if has_penalties(**penalties):
             raise ValueError(f"speculative decoding takes no penalties; got {penalties}")
         if kv_cache_dtype != "auto":
@@ -349,7 +372,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                                   pad_token_id=pad, ignore_eos=ignore_eos, kv_cache=kv_cache,
                                   block_size=block_size, num_blocks=num_blocks,
                                   paged_attention=paged_attention, **penalties,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, compile=compile)
     results = []
     for p, ids, run in zip(prompts, encoded, runs):
         toks = run.token_ids

@@ -291,10 +291,7 @@ def early_exit_forward(model, num_layers: int):
     """The target cut after its first ``num_layers`` layers, then its final norm and
     lm_head: ``f(ids [1, s], positions, cache) -> logits [1, vocab]`` of the last token."""
     def forward(ids, positions, cache):
-        x = model.embed_tokens(ids)
-        for layer in model.layers[:num_layers]:
-            x = layer(x, positions, cache)
-        return model.lm_head(model.norm(x[:, -1:]))[:, -1]
+        return model.step(ids, positions, cache, rows="last", num_layers=num_layers)[:, -1]
     return forward
 
 

@@ -1,5 +1,5 @@
-"""KV caches, chosen by name: ``"none"`` (the baseline: recompute everything), ``"contiguous"``
-or ``"paged"``.
+"""KV caches, chosen by name: ``"none"`` (the baseline: recompute everything), ``"contiguous"``,
+``"paged"`` or ``"static"`` (fixed shapes, for a compiled decode step).
 
 Every cache implements one interface, which the attention layers call::
 
@@ -28,6 +28,7 @@ from .block_manager import BlockManager, NoFreeBlocksError
 from .contiguous import ContiguousKVCache, kv_bytes_per_token, kv_cache_bytes
 from .packed import PackedPagedCache
 from .paged import PagedKVCache, blocks_needed
+from .static import StaticKVCache, slots_for
 
 
 def _paged_for_model(model, batch: int, max_len: int, block_size: int = 16,
@@ -42,8 +43,15 @@ def _contiguous_for_model(model, batch: int, max_len: int, **kw) -> ContiguousKV
     return ContiguousKVCache.for_model(model, batch, max_len, **kw)
 
 
+def _static_for_model(model, batch: int, max_len: int, kv_dtype: str = "auto") -> StaticKVCache:
+    if kv_dtype != "auto":
+        raise ValueError(f"kv_dtype={kv_dtype!r}: the static cache keeps K/V in the model's "
+                         "dtype; allowed: 'auto'")
+    return StaticKVCache.for_model(model, batch, slots_for(max_len, model.config.max_position_embeddings))
+
+
 _FACTORIES: dict[str, Callable | None] = {"none": None, "contiguous": _contiguous_for_model,
-                                          "paged": _paged_for_model}
+                                          "paged": _paged_for_model, "static": _static_for_model}
 
 
 def register(name: str, factory: Callable) -> None:
@@ -73,4 +81,4 @@ def create(name: str, model, batch: int, max_len: int, **options):
 
 __all__ = ["ContiguousKVCache", "kv_bytes_per_token", "kv_cache_bytes", "register",
            "available", "check_name", "create", "BlockManager", "NoFreeBlocksError",
-           "PagedKVCache", "PackedPagedCache", "blocks_needed"]
+           "PagedKVCache", "PackedPagedCache", "blocks_needed", "StaticKVCache"]

@@ -106,12 +106,32 @@ class CausalLM(nn.Module):
         if top >= self.config.max_position_embeddings:
             raise ValueError(f"position {top} is past the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
+        return self.step(input_ids, positions, cache, key_padding_mask,
+                         rows="last" if last_only else None)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache=None,
+             key_padding_mask: torch.Tensor | None = None, rows=None,
+             num_layers: int | None = None) -> torch.Tensor:
+        """The decoder itself, with no checks and no host synchronization: the one step
+        function that :meth:`forward`, the serving engine's runner, speculative decoding
+        and ``compile=True`` (:mod:`llmlab.compile`) all run.
+
+        input_ids, positions [batch, seq]; ``rows`` picks the hidden states that reach the
+        vocabulary projection (the most expensive matmul per token): None, all
+        (-> [batch, seq, vocab]); ``"last"``, the last position (-> [batch, 1, vocab]); a
+        long tensor of indices into the seq axis of batch row 0 (the packed layout: ->
+        [len(rows), vocab]). ``num_layers``: run only the first layers (an early-exit
+        draft model).
+        """
         rotary.clear_tables()        # positions differ from the last forward's
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             x = layer(x, positions, cache, key_padding_mask)
-        if last_only:
+        if isinstance(rows, str):
             x = x[:, -1:]
+        elif rows is not None:
+            x = x[0, rows]
         return self.lm_head(self.norm(x))
 
 

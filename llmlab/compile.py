@@ -1,0 +1,84 @@
+"""``compile=True``: the decode step through ``torch.compile``, one graph for every position.
+
+An eager decode step of SmolLM2 calls over a thousand PyTorch operators from Python, and
+each call costs microseconds of interpreter and dispatcher time whatever the size of its
+tensor: at batch 1 that time rivals the time the weights take to stream from memory.
+``torch.compile`` traces :meth:`llmlab.models.llama.CausalLM.step` once into a graph
+(TorchDynamo), and Inductor turns the graph into fused kernels: the small elementwise ops
+(norms, RoPE, SiLU·mul, residual adds) merge into a few loops, and Python runs once per
+step instead of once per op. On CUDA, ``mode="reduce-overhead"`` also records the kernels
+as a CUDA graph and replays it, so the CPU launches one graph per step (vLLM's CUDA graphs
+per batch size; gpt-fast's ``decode_one_token``).
+
+A graph is specialized to its input shapes. With the contiguous cache the keys grow by one
+each step, which would mean a new graph per position; the static cache
+(:class:`llmlab.cache.StaticKVCache`) keeps every shape fixed, so one graph per batch size
+serves all positions. :func:`graphs_compiled` counts the graphs compiled in this process:
+after the warm-up it must not move.
+
+The first call of a batch size compiles (tens of seconds on a 2-core CPU); Inductor keeps
+what it built on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary
+directory), so a second process with the same model and shapes starts in seconds.
+Taught in notebook 11.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, CompiledStep]" = weakref.WeakKeyDictionary()
+
+
+def default_mode(device: torch.device | str) -> str | None:
+    """``"reduce-overhead"`` (CUDA graphs) on CUDA; Inductor's default elsewhere."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
+
+
+class CompiledStep:
+    """``model.step`` compiled for decode: ``step(ids [batch, 1], positions [batch, 1],
+    cache) -> logits [batch, vocab]`` (float32 whatever the model's dtype).
+
+    ``cache`` must keep fixed shapes (a :class:`~llmlab.cache.StaticKVCache`). Compiling
+    happens on the first call of each batch size; ``compile_s`` adds up the time those
+    first calls took.
+    """
+
+    def __init__(self, model, mode: str | None = None):
+        self.model = model
+        self.mode = default_mode(model.device) if mode is None else mode
+        self._fn = torch.compile(model.step, fullgraph=True, dynamic=False, mode=self.mode)
+        self.compile_s = 0.0
+        self.batch_sizes: set[int] = set()
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        first = ids.shape[0] not in self.batch_sizes
+        t = time.perf_counter() if first else 0.0
+        logits = self._fn(ids, positions, cache, None, "last")[:, -1].float()
+        if first:
+            self.batch_sizes.add(ids.shape[0])
+            self.compile_s += time.perf_counter() - t
+        if self.mode == "reduce-overhead":
+            logits = logits.clone()       # a CUDA graph's output is overwritten by its next replay
+        return logits
+
+
+def compiled_step(model, mode: str | None = None) -> CompiledStep:
+    """The model's compiled decode step, built once per model (and mode) and reused."""
+    step = _STEPS.get(model)
+    wanted = default_mode(model.device) if mode is None else mode
+    if step is None or step.mode != wanted:
+        step = _STEPS[model] = CompiledStep(model, wanted)
+    return step
+
+
+def graphs_compiled() -> int:
+    """How many graphs TorchDynamo has compiled in this process (a new shape, a failed
+    guard or a graph break each add one): the recompile counter."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+__all__ = ["CompiledStep", "compiled_step", "graphs_compiled", "default_mode"]

@@ -1,0 +1,91 @@
+"""The static KV cache and ``compile=True``: same tokens as eager, one graph per batch size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmlab
+from llmlab.cache import ContiguousKVCache, StaticKVCache, slots_for
+from llmlab.compile import compiled_step, graphs_compiled
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20]]
+
+
+def tokens(gens):
+    return [g.token_ids for g in gens]
+
+
+def test_slots_are_powers_of_two_within_the_context():
+    assert [slots_for(n, 2048) for n in (1, 256, 257, 1000, 2048)] == [256, 256, 512, 1024, 2048]
+    assert slots_for(300, 300) == 300
+    with pytest.raises(ValueError, match="length=0 must be an int in 1..2048"):
+        slots_for(0, 2048)
+
+
+@torch.inference_mode()
+def test_static_cache_logits_match_the_contiguous_cache_with_left_padding(tiny):
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    caches = [ContiguousKVCache.for_model(tiny, 2, 16), StaticKVCache.for_model(tiny, 2, 16)]
+    out = []
+    for cache in caches:
+        steps = [tiny(ids, positions=cache.begin(5, mask), cache=cache, last_only=True)]
+        cache.advance()
+        for tok, real in ((torch.tensor([[3], [4]]), None),
+                          (torch.tensor([[2], [6]]), torch.tensor([[True], [False]]))):
+            steps.append(tiny(tok, positions=cache.begin(1, real), cache=cache, last_only=True))
+            cache.advance()
+        out.append(steps)
+    real_rows = ([0, 1], [0, 1], [0])           # the last step feeds row 1 a pad
+    for a, b, rows in zip(*out, real_rows):
+        assert (a[rows] - b[rows]).abs().max().item() < 1e-5
+    assert caches[1].lengths == [5, 6]          # the pad fed to row 1 was not counted
+
+
+def test_static_cache_refuses_what_does_not_fit(tiny):
+    cache = StaticKVCache.for_model(tiny, 1, 4)
+    cache.begin(3)
+    with pytest.raises(ValueError, match="begin\\(\\) called twice"):
+        cache.begin(1)
+    cache.advance()
+    with pytest.raises(ValueError, match="do not fit: rows hold \\[3\\] of max_len=4"):
+        cache.begin(2)
+    cache.truncate(1)
+    assert cache.lengths == [1]
+    with pytest.raises(ValueError, match="past the model's context"):
+        StaticKVCache.for_model(tiny, 1, 10**6)
+
+
+def test_generate_on_the_static_cache_gives_the_contiguous_tokens(tiny, tiny_tok):
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    want = tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
+    assert tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, kv_cache="static", **kw)) == want
+
+
+def test_compile_needs_the_static_cache(tiny, tiny_tok):
+    with pytest.raises(ValueError, match="compile=True runs the decode step on the static cache"):
+        llmlab.generate(tiny, tiny_tok, PROMPTS, max_new_tokens=2, kv_cache="paged", compile=True)
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_eager_tokens_and_never_recompiles(tiny, tiny_tok):
+    """Float32 greedy: the compiled step's tokens are eager's; after one warm-up call, 256
+    positions (and a second batch with other prompts) compile nothing new."""
+    kw = dict(max_new_tokens=256, ignore_eos=True)
+    want = tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
+    assert tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, compile=True, **kw)) == want
+    before = graphs_compiled()
+    others = [[30, 31], [32, 33, 34, 35], [36]]
+    got = tokens(llmlab.generate(tiny, tiny_tok, others, compile=True, **kw))
+    assert graphs_compiled() == before
+    assert got == tokens(llmlab.generate(tiny, tiny_tok, others, kv_cache="contiguous", **kw))
+    step = compiled_step(tiny)
+    assert step.batch_sizes == {3} and step.compile_s > 0
+
+
+@pytest.mark.slow
+def test_compiled_smollm2_gives_eager_greedy_tokens(smollm2, tokenizer):
+    q = "Explain in two sentences why the sky is blue."
+    eager = llmlab.generate(smollm2, tokenizer, q, max_new_tokens=48, kv_cache="contiguous")
+    compiled = llmlab.generate(smollm2, tokenizer, q, max_new_tokens=48, compile=True)
+    assert compiled.token_ids == eager.token_ids and compiled.text == eager.text
