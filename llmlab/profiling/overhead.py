@@ -279,8 +279,8 @@ def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
 
 # -- decode steps to measure --------------------------------------------------------------
 
-def make_decode_step(model, batch: int, context: int,
-                     steps: int = 256) -> Callable[[], torch.Tensor]:
+def make_decode_step(model, batch: int, context: int, steps: int = 256,
+                     compile: bool = False) -> Callable[[], torch.Tensor]:
     """A repeatable decode step of ``model`` (a CausalLM): ``batch`` sequences, one new token
     each after ``context`` cached ones, with a contiguous KV cache, under inference mode.
 
@@ -289,8 +289,12 @@ def make_decode_step(model, batch: int, context: int,
     grows by one token per call; the call that would overflow it first rewinds it to
     ``context`` (a few small ops more, once every ``steps`` calls). The cached K/V stay
     zero (the prompt is not run): a step does the same work whatever the cache holds.
+
+    ``compile=True``: the compiled step of ``llmlab.generate(..., compile=True)`` on a
+    static cache (:mod:`llmlab.compile`), which reads its whole bucket of slots every step.
     """
     from ..cache.contiguous import ContiguousKVCache
+    from ..cache.static import StaticKVCache, slots_for
 
     if batch < 1 or context < 0 or steps < 1:
         raise ValueError(f"batch={batch} and steps={steps} must be >= 1, "
@@ -299,7 +303,14 @@ def make_decode_step(model, batch: int, context: int,
     if context + steps > c.max_position_embeddings:
         raise ValueError(f"context={context} + steps={steps} is past the model's context of "
                          f"{c.max_position_embeddings} tokens")
-    cache = ContiguousKVCache.for_model(model, batch, context + steps)
+    if compile:
+        from ..compile import compiled_step
+
+        cache = StaticKVCache.for_model(model, batch, slots_for(context + steps,
+                                                                c.max_position_embeddings))
+        compiled = compiled_step(model)
+    else:
+        cache = ContiguousKVCache.for_model(model, batch, context + steps)
     ids = torch.randint(0, c.vocab_size, (batch, 1), device=model.device,
                         generator=torch.Generator().manual_seed(0))
 
@@ -313,10 +324,13 @@ def make_decode_step(model, batch: int, context: int,
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        if cache.length >= cache.max_len:
+        if cache.length >= context + steps:
             rewind()
         positions = cache.begin(1)
-        logits = model(ids, positions=positions, cache=cache, last_only=True)[:, -1]
+        if compile:
+            logits = compiled(ids, positions, cache)
+        else:
+            logits = model(ids, positions=positions, cache=cache, last_only=True)[:, -1]
         cache.advance()
         return logits
 
