@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -108,14 +108,15 @@ def has_penalties(presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[Sequence[int]],
-                    output_ids: Sequence[Sequence[int]],
+                    output_ids: Sequence[Sequence[int] | Mapping[int, int]],
                     presence_penalty: float | Sequence[float] = 0.0,
                     frequency_penalty: float | Sequence[float] = 0.0,
                     repetition_penalty: float | Sequence[float] = 1.0) -> torch.Tensor:
     """Penalised logits [batch, vocab], a new tensor (see the module docstring).
 
-    ``prompt_ids`` / ``output_ids``: per row, the prompt's tokens and the tokens generated
-    so far. Each penalty is one number for every row, or one per row. Per row, in vLLM's
+    ``prompt_ids`` / ``output_ids``: per row, the prompt's tokens (or their set) and the
+    tokens generated so far (or their counts, ``{token: count}``: a caller that keeps
+    them up to date pays per step for the distinct tokens, not for the whole output). Each penalty is one number for every row, or one per row. Per row, in vLLM's
     order: ``repetition_penalty`` r on every token seen in the prompt or the output
     (logit / r where the logit is > 0, logit * r elsewhere); then ``logit -= frequency *
     count + presence * [count > 0]``, counting the *output* tokens only.
@@ -125,7 +126,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[Sequence[int]],
                        for v in (presence_penalty, frequency_penalty, repetition_penalty))
     logits, dev = logits.clone(), logits.device
     for r in range(rows):          # touches only the tokens a row has seen: O(seen), not O(vocab)
-        counts = Counter(int(t) for t in output_ids[r])
+        out = output_ids[r]
+        counts = out if isinstance(out, Mapping) else Counter(int(t) for t in out)
         if rep[r] != 1:
             seen = torch.tensor(sorted({int(t) for t in prompt_ids[r]} | set(counts)),
                                 dtype=torch.long, device=dev)

@@ -244,3 +244,22 @@ def test_extreme_seeds_and_temperatures_sample_without_failing(tiny_llm):
     assert outs[2].outputs[0].token_ids == greedy            # a temperature near 0: greedy
     again = tiny_llm.generate(prompt, params[0], use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]
+
+
+def test_output_counts_follow_the_output_incrementally(tiny_llm):
+    from collections import Counter
+
+    from llmlab.engine.sequence import Request, Sequence
+
+    req = Request(0, None, [1, 2, 2], SamplingParams(max_tokens=50))
+    seq = Sequence(0, req, 0, [1, 2, 2])
+    assert seq.prompt_token_set() == {1, 2} and seq.output_counts() == {}
+    for t in [5, 6, 5, 5, 9]:
+        seq.output_token_ids.append(t)
+        assert seq.output_counts() == Counter(seq.output_token_ids)
+    seq.output_token_ids[:] = [7]                  # edited shorter: counted again
+    assert seq.output_counts() == {7: 1}
+    seq.output_token_ids.clear()
+    seq.forget_output()
+    seq.output_token_ids += [3, 3]
+    assert seq.output_counts() == {3: 2}

@@ -9,7 +9,10 @@
 ``execute`` (one forward over the paged KV cache) → ``sample`` (one token per
 sequence, each with its own parameters: penalties first, then the sampler, then the
 log-probabilities asked for) → ``finish`` checks (EOS, stop strings,
-max_tokens, context) that free seats and blocks for the next step. :class:`LLM` wraps
+max_tokens, context) that free seats and blocks for the next step. Each step's work per
+sequence does not grow with its length: the text is decoded a few tokens at a time
+(:mod:`llmlab.engine.detokenizer`) and stop strings are searched only where a new one can
+end. :class:`LLM` wraps
 it: prompts in, :class:`RequestOutput` per prompt out, in input order, with TTFT, TPOT
 and end-to-end latency per request; ``chat`` applies the chat template; ``stream``
 yields tokens as they are produced; ``beam_search`` keeps the most likely sequences
@@ -309,8 +312,8 @@ class LLMEngine:
         ps = [seqs[r].request.params for r in rows]
         logits = logits.clone()
         logits[rows] = apply_penalties(
-            logits[rows], [seqs[r].prompt_token_ids for r in rows],
-            [seqs[r].output_token_ids for r in rows], [p.presence_penalty for p in ps],
+            logits[rows], [seqs[r].prompt_token_set() for r in rows],
+            [seqs[r].output_counts() for r in rows], [p.presence_penalty for p in ps],
             [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps])
         return logits
 
@@ -427,7 +430,7 @@ class LLMEngine:
                 parent.output_token_ids.clear()
                 parent.token_times.clear()
                 parent.reset_logprobs()
-                parent.reset_text()
+                parent.forget_output()
                 parent.status = SequenceStatus.WAITING
                 parent.stop_reason = parent.finish_time = None
                 parent.generator = self._generator(req.params, 0)

@@ -140,13 +140,36 @@ class Sequence:
     # much of it the stop strings have been searched in: per token, both cost O(1)
     detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer, repr=False)
     stop_checked: int = 0
+    _counts: dict | None = field(default=None, init=False, repr=False)    # output_counts()
+    _counted: int = field(default=0, init=False, repr=False)
+    _prompt_set: frozenset | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reset_logprobs()
 
-    def reset_text(self) -> None:
-        """Forget the text read so far (its output tokens were cleared)."""
+    def output_counts(self) -> dict[int, int]:
+        """``{token: times generated}``, kept up to date incrementally: the penalties read
+        it every step, and recounting the whole output would cost O(length) per token.
+        (Recounted from scratch if the output was cleared or edited shorter.)"""
+        out = self.output_token_ids
+        if self._counts is None or self._counted > len(out):
+            self._counts, self._counted = {}, 0
+        for t in out[self._counted:]:
+            self._counts[t] = self._counts.get(t, 0) + 1
+        self._counted = len(out)
+        return self._counts
+
+    def prompt_token_set(self) -> frozenset[int]:
+        """The prompt's distinct tokens (the repetition penalty's), computed once."""
+        if self._prompt_set is None:
+            self._prompt_set = frozenset(self.prompt_token_ids)
+        return self._prompt_set
+
+    def forget_output(self) -> None:
+        """Its output tokens were cleared: forget what was derived from them (the text so
+        far, the token counts)."""
         self.detok, self.stop_checked, self.text = IncrementalDetokenizer(), 0, ""
+        self._counts, self._counted = None, 0
 
     def reset_logprobs(self) -> None:
         """Empty log-probabilities when its request asks for them, else None."""

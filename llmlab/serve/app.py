@@ -192,8 +192,8 @@ class Server:
         room = self.max_model_len - len(ids)
         kw = sampling_kwargs(req, min(16, room) if isinstance(req, CompletionRequest) else room)
         if kw["max_tokens"] > room:          # as vLLM and OpenAI: refused, not cut short
-            name = "max_tokens" if "max_tokens" in req.model_fields_set else \
-                "max_completion_tokens"
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) \
+                is not None else "max_tokens"
             raise APIError(400, f"{name}={kw['max_tokens']} does not fit: the context is "
                            f"{self.max_model_len} tokens and the prompt takes {len(ids)}, so at "
                            f"most {room} may be generated", name, code="context_length_exceeded")
