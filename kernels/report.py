@@ -1,7 +1,8 @@
 """Build every Triton kernel of the workbook for A100 and H100, on any machine, and report
 what the compiler made of each tile (shown in notebooks 03, 04 and 06).
 
-    python -m llmlab.kernels.report [--arch sm_80 sm_90] [--kernel flash paged moe quant]
+    python -m llmlab.kernels.report [--arch sm_80 sm_90] [--kernel flash paged moe quant
+                                     add_rmsnorm swiglu qkv_rope]
                                     [--dtype fp16 bf16 fp32] [--full] [--json] [--check]
     python -m llmlab.kernels.report --widget-table data/kernel_builds.json
 
@@ -15,7 +16,9 @@ occupancy, and the count of tensor-core instructions in the SASS (``HMMA``: warp
 The builds are the tiles the wrappers and autotuners can pick: every autotune config of
 ``flash_attn`` (:func:`llmlab.kernels.flash_attn.tile_configs`) at head_dim 64 and 128,
 the paged-attention kernel at each KV block size, and the grouped GEMM at each tile of
-:func:`llmlab.kernels.moe_gemm.gpu_tiles`, in float16, bfloat16 and float32. ``--full``
+:func:`llmlab.kernels.moe_gemm.gpu_tiles`, and the fused elementwise kernels of
+:mod:`llmlab.kernels.fused` (no dots, so no tensor cores) at SmolLM2's shapes, a larger
+model's and the largest their wrappers accept, in float16, bfloat16 and float32. ``--full``
 adds every mask variant (causal or not, key range, varlen) and head_dim 256.
 
 ``--widget-table`` builds every tile the notebook widgets offer (:data:`WIDGET_TILES`, some
@@ -84,7 +87,7 @@ ARCHS = {
                         tensor_core_op="HGMMA"),
 }
 DTYPES = ("fp16", "bf16", "fp32")
-KERNELS = ("flash", "paged", "moe", "quant")
+KERNELS = ("flash", "paged", "moe", "quant", "add_rmsnorm", "swiglu", "qkv_rope")
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class KernelSource:
     unit_strides: tuple[str, ...] = ()   # 1 for contiguous inputs: the JIT makes them constants
     # pointers whose type is not the build's dtype: constants -> {name: "*i8", ...}
     typed_pointers: object = None
+    dots: bool = True                    # has tl.dot: half-precision builds need tensor cores
 
 
 def _quant_pointers(consts: dict) -> dict:
@@ -151,6 +155,12 @@ SOURCES = {
                         ("stride_xk", "stride_wk", "stride_yn")),
     "quant": KernelSource("quant_gemm", "_quant_gemm_kernel", ("x_ptr", "y_ptr"), (), (),
                           ("stride_xk", "stride_wk", "stride_dg", "stride_yn"), _quant_pointers),
+    "add_rmsnorm": KernelSource("fused", "_add_rmsnorm_kernel", ("X", "R", "W", "OUT", "H"), (),
+                                ("eps",), dots=False),
+    "swiglu": KernelSource("fused", "_swiglu_kernel", ("GU", "OUT"), dots=False),
+    "qkv_rope": KernelSource("fused", "_qkv_rope_kernel", ("QKV", "Q", "K", "V"),
+                             typed_pointers=lambda consts: {"POS": "*i64", "INV_FREQ": "*fp32"},
+                             dots=False),
 }
 
 
@@ -174,6 +184,10 @@ class BuildSpec:
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
         elif self.kernel == "paged":
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} kv{c['BLOCK_SIZE']} d{c['HEAD_DIM']}"
+        elif self.kernel in ("add_rmsnorm", "swiglu"):
+            tile = f"block {c['BLOCK']}"
+        elif self.kernel == "qkv_rope":
+            tile = f"{c['BLOCK_H']}+{c['BLOCK_KV']} heads x {c['BLOCK_HALF']} d{c['HEAD_DIM']}"
         else:
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['HEAD_DIM']}"
         return f"{tile} w{self.num_warps} s{self.num_stages}"
@@ -263,7 +277,42 @@ def quant_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 16, bloc
                      f"int4 g{group_size}" if int4 else "int8")
 
 
+def add_rmsnorm_spec(arch: str = "sm_90", dtype: str = "bf16", hidden: int = 576,
+                     residual: bool = True) -> BuildSpec:
+    """A build of the fused residual add + RMSNorm (:mod:`llmlab.kernels.fused`) for rows
+    of ``hidden`` (one power-of-two block per row, the wrapper's warps)."""
+    from . import fused
+    block = fused.next_power_of_two(hidden)
+    consts = dict(HAS_RESIDUAL=residual, BLOCK=block, BF16_BITS=False)
+    return BuildSpec("add_rmsnorm", arch, dtype, tuple(consts.items()),
+                     fused.rmsnorm_warps(block), 3,
+                     f"hidden {hidden}" + (" + residual" if residual else ""))
+
+
+def swiglu_spec(arch: str = "sm_90", dtype: str = "bf16") -> BuildSpec:
+    """A build of the fused silu(gate) · up (:mod:`llmlab.kernels.fused`): the wrapper's
+    block of columns, whatever the intermediate size."""
+    from . import fused
+    consts = dict(BLOCK=fused.SWIGLU_BLOCK, BF16_BITS=False)
+    return BuildSpec("swiglu", arch, dtype, tuple(consts.items()), 4, 3, "")
+
+
+def qkv_rope_spec(arch: str = "sm_90", dtype: str = "bf16", num_heads: int = 9,
+                  num_kv_heads: int = 3, head_dim: int = 64) -> BuildSpec:
+    """A build of the fused q/k/v split + RoPE (:mod:`llmlab.kernels.fused`) for one head
+    layout (SmolLM2's by default: 9 query heads, 3 KV heads of 64)."""
+    from . import fused
+    consts = dict(HEAD_DIM=head_dim, BLOCK_HALF=fused.next_power_of_two(head_dim // 2),
+                  BLOCK_H=fused.next_power_of_two(num_heads),
+                  BLOCK_KV=fused.next_power_of_two(num_kv_heads), BF16_BITS=False)
+    return BuildSpec("qkv_rope", arch, dtype, tuple(consts.items()), 4, 3,
+                     f"{num_heads}/{num_kv_heads} heads")
+
+
 PAGED_BLOCK_SIZES = (16, 32, 64, 128)
+# the fused kernels' shapes: SmolLM2's, Llama-3-8B's, and the largest the wrappers accept
+RMSNORM_HIDDEN = (576, 4096, 8192)
+QKV_ROPE_HEADS = ((9, 3, 64), (32, 8, 128), (64, 8, 128))
 
 
 def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
@@ -273,8 +322,9 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
     Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
     causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128; the
     grouped GEMM at every tile of ``gpu_tiles`` (scaled output); the quantized GEMM at every
-    tile of its ``gpu_tiles``, int4 (group 32) and int8. ``full`` adds the other mask and
-    layout variants and head_dim 256.
+    tile of its ``gpu_tiles``, int4 (group 32) and int8; the fused elementwise kernels at
+    :data:`RMSNORM_HIDDEN` (with the residual) and :data:`QKV_ROPE_HEADS`. ``full`` adds
+    the other mask and layout variants, head_dim 256 and the norm without a residual.
     """
     from . import flash_attn, moe_gemm, quant_gemm
     for name, values, allowed in (("kernel", kernels, KERNELS), ("arch", archs, tuple(ARCHS)),
@@ -309,6 +359,15 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
                 for bm, bn, bk, w, s in quant_gemm.gpu_tiles(dtype):
                     for int4 in (True, False):
                         out.append(quant_spec(arch, dtype, bm, bn, bk, w, s, int4=int4))
+            if "add_rmsnorm" in kernels:
+                for hidden in RMSNORM_HIDDEN:
+                    for residual in ((True, False) if full else (True,)):
+                        out.append(add_rmsnorm_spec(arch, dtype, hidden, residual))
+            if "swiglu" in kernels:
+                out.append(swiglu_spec(arch, dtype))
+            if "qkv_rope" in kernels:
+                for heads in QKV_ROPE_HEADS:
+                    out.append(qkv_rope_spec(arch, dtype, *heads))
     return out
 
 
@@ -591,7 +650,7 @@ def stale_entries(entries: list[dict], rebuilt: list[Build]) -> list[str]:
 
 def problems(builds: list[Build]) -> list[str]:
     """What is wrong with these builds: spills, shared memory over the arch's per-block
-    limit, and float16/bfloat16 builds without tensor-core instructions."""
+    limit, and float16/bfloat16 builds of a kernel with dots without tensor-core instructions."""
     out = []
     for b in builds:
         where = f"{b.kernel} {b.variant} {b.config} {b.arch} {b.dtype}"
@@ -601,7 +660,7 @@ def problems(builds: list[Build]) -> list[str]:
         if not b.fits_shared_memory:
             out.append(f"{where}: {b.shared_bytes} bytes of shared memory, over "
                        f"{ARCHS[b.arch].shared_per_block} per block")
-        if b.dtype != "fp32" and b.tensor_core_instructions == 0:
+        if b.dtype != "fp32" and SOURCES[b.kernel].dots and b.tensor_core_instructions == 0:
             out.append(f"{where}: no tensor-core instruction in the SASS")
     return out
 
@@ -616,7 +675,8 @@ def summary(builds: list[Build]) -> list[dict]:
         rows.append({"kernel": kernel, "builds": len(mine),
                      "spill_free": sum(not b.spills for b in mine),
                      "fit_shared": sum(b.fits_shared_memory for b in mine),
-                     "fp16/bf16 with tensor cores": f"{with_tc}/{len(half)}"})
+                     "fp16/bf16 with tensor cores": (f"{with_tc}/{len(half)}"
+                                                     if SOURCES[kernel].dots else "no dots")})
     return rows
 
 

@@ -3,7 +3,8 @@
 The default run builds a representative subset (the head_dim-128 autotune tiles of the
 FlashAttention kernel, where registers are tightest, on both targets; its largest
 head_dim-64 tile; the paged and MoE kernels' default tiles; the quantized GEMM's decode
-tile, int4 and int8). ``LLMLAB_COMPILE=full``
+tile, int4 and int8; the fused norm, SwiGLU and q/k/v + RoPE kernels at their largest
+accepted shapes, one build each per target). ``LLMLAB_COMPILE=full``
 (``make gpu-compile``) builds the whole matrix of ``python -m llmlab.kernels.report
 --full``: every kernel, tile, mask variant and dtype on both targets.
 """
@@ -33,6 +34,10 @@ def _subset() -> list[R.BuildSpec]:
         out.append(R.paged_spec(arch, "bf16", 64, 16))
         out.append(R.moe_spec(arch, "bf16"))
         out += [R.quant_spec(arch, "bf16", int4=True), R.quant_spec(arch, "bf16", int4=False)]
+        # the fused elementwise kernels where registers are tightest (no dots: cheap builds)
+        out += [R.add_rmsnorm_spec(arch, "bf16", max(R.RMSNORM_HIDDEN)),
+                R.swiglu_spec(arch, "bf16"),
+                R.qkv_rope_spec(arch, "fp32", *R.QKV_ROPE_HEADS[-1])]
     return out
 
 
@@ -58,7 +63,8 @@ def test_every_kernel_builds_for_both_targets(builds):
     assert {(b.kernel, b.arch) for b in builds} == {(k, a) for k in R.KERNELS for a in R.ARCHS}
     for b in builds:
         assert 0 < b.registers <= 255, b
-        assert b.shared_bytes > 0, b
+        if R.SOURCES[b.kernel].dots:              # tiles staged in shared memory
+            assert b.shared_bytes > 0, b
 
 
 @pytest.mark.slow  # builds with ptxas (the module's fixture)
@@ -78,7 +84,7 @@ def test_shared_memory_fits_each_target(builds):
 @pytest.mark.slow  # builds with ptxas (the module's fixture)
 def test_half_precision_builds_use_tensor_cores(builds):
     for b in builds:
-        if b.dtype == "fp32":
+        if b.dtype == "fp32" or not R.SOURCES[b.kernel].dots:
             continue
         assert b.tensor_core_instructions > 0, b
         if b.arch == "sm_80":
@@ -150,6 +156,19 @@ def test_report_command_prints_one_json_object_per_build():
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "spill_free" in res.stdout and f"moe     {len(rows)}" in res.stdout
+
+
+def test_fused_kernels_spec_the_wrappers_limits():
+    from llmlab.kernels import fused
+    assert max(R.RMSNORM_HIDDEN) == fused.MAX_HIDDEN
+    h, kv, d = R.QKV_ROPE_HEADS[-1]
+    c = dict(R.qkv_rope_spec("sm_90", "fp32", h, kv, d).constants)
+    assert c["BLOCK_H"] * c["BLOCK_HALF"] == fused.MAX_HEAD_TILE
+    c = dict(R.add_rmsnorm_spec("sm_90", "bf16", 576).constants)
+    assert c["BLOCK"] == 1024 and not c["BF16_BITS"]
+    no_dots = [R._result(R.swiglu_spec("sm_80", "bf16"), 28, 0, 0, {"HMMA": 0, "HGMMA": 0})]
+    assert R.problems(no_dots) == []              # no dots: no tensor cores expected
+    assert R.summary(no_dots)[0]["fp16/bf16 with tensor cores"] == "no dots"
 
 
 def test_bad_names_are_refused():
