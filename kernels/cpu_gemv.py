@@ -26,7 +26,10 @@ the callers keep PyTorch's kernels. ``LLMLAB_CPU_GEMV=0`` turns the kernels off.
 :func:`gemv` and :func:`dequantize` check every tensor (dtype, shape, contiguity, device)
 and say which one is wrong; ``_gemv`` and ``_dequantize`` skip the checks, for the
 quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
-construction and which call them about 120 times per decode step.
+construction and which call them about 120 times per decode step. The layers call them
+as the torch operators ``torch.ops.llmlab.gemv`` and ``torch.ops.llmlab.dequantize``
+(:data:`gemv_op`, :data:`dequantize_op`, with fake kernels for shapes), so that a graph
+compiled by ``torch.compile`` calls the C kernels without a graph break.
 
 Taught in notebook 08.
 """
@@ -178,8 +181,11 @@ def _open(path: Path):
     return lib
 
 
+@torch.compiler.assume_constant_result
 def available() -> bool:
-    """True when the C kernels are built and loaded on this machine."""
+    """True when the C kernels are built and loaded on this machine. ``torch.compile``
+    calls it while tracing (building the library on first use) and keeps the answer as a
+    constant of the graph, rather than tracing the build."""
     return _load() is not None
 
 
@@ -316,6 +322,63 @@ def _dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | 
         raise ValueError(f"{fmt} dequantize refused codes {tuple(codes.shape)}, k={k}, "
                          f"group_size={group_size} (code {rc})")
     return out
+
+
+# -- the same kernels as torch operators ---------------------------------------------------
+#
+# ``torch.ops.llmlab.gemv`` and ``torch.ops.llmlab.dequantize`` run ``_gemv`` and
+# ``_dequantize`` behind PyTorch's dispatcher, so that ``torch.compile`` puts them into its
+# graph as single calls (a ctypes call cannot be traced: it would break the graph) and the
+# profiler sees them as operators. Their fake kernels give the output's shape and dtype
+# without running C. Defined with ``torch.library.Library`` rather than the
+# ``torch.library.custom_op`` decorator: the decorator's Python wrapper costs about 4 µs per
+# call against about 2 µs for this route (1 thread, a 256 × 64 int8 product measured at
+# 6 µs called directly), and the layers make about 120 of these calls per decode step.
+# Unchecked like the calls they wrap: for tensors valid by construction only (x is made
+# contiguous here, since a compiled graph may hand over a strided view).
+
+GEMV_SCHEMA = ("gemv(str fmt, Tensor x, Tensor codes, int k, Tensor? scale=None, "
+               "Tensor? d=None, Tensor? m=None, int group_size=32) -> Tensor")
+DEQUANTIZE_SCHEMA = ("dequantize(str fmt, Tensor codes, int k, Tensor? scale=None, "
+                     "Tensor? d=None, Tensor? m=None, int group_size=32) -> Tensor")
+
+
+def _gemv_kernel(fmt, x, codes, k, scale=None, d=None, m=None, group_size=32):
+    if _LIB.get("lib") is None:
+        _library()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return _gemv(fmt, x, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+
+
+def _dequantize_kernel(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
+    if _LIB.get("lib") is None:
+        _library()
+    return _dequantize(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+
+
+def _gemv_fake(fmt, x, codes, k, scale=None, d=None, m=None, group_size=32):
+    if x.shape[-1] != k:
+        raise ValueError(f"llmlab::gemv: x {list(x.shape)} must end in k={k}")
+    return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=torch.float32)
+
+
+def _dequantize_fake(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
+    return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
+
+
+_OPS = torch.library.Library("llmlab", "FRAGMENT")   # kept alive: it holds the registrations
+_OPS.define(GEMV_SCHEMA)
+_OPS.define(DEQUANTIZE_SCHEMA)
+_OPS.impl("gemv", _gemv_kernel, "CPU")
+_OPS.impl("dequantize", _dequantize_kernel, "CPU")
+torch.library.register_fake("llmlab::gemv", _gemv_fake, lib=_OPS)
+torch.library.register_fake("llmlab::dequantize", _dequantize_fake, lib=_OPS)
+
+#: ``gemv_op(fmt, x, codes, k, scale, d, m, group_size)``: the operator the layers call.
+gemv_op = torch.ops.llmlab.gemv.default
+#: ``dequantize_op(fmt, codes, k, scale, d, m, group_size)``.
+dequantize_op = torch.ops.llmlab.dequantize.default
 
 
 def _input(x: torch.Tensor, k: int) -> torch.Tensor:

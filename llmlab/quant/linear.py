@@ -11,7 +11,9 @@ these forward paths, chosen per call (:func:`use_kernels`):
 * the **C decode kernels** (CPU, up to ``GEMV_MAX_ROWS`` rows): :mod:`llmlab.kernels.cpu_gemv`
   reads the small codes and widens them in registers, with float32 activations, so a decode
   step reads 1 byte (int8) or about 0.6 (4-bit) per weight instead of 4, and its answer is
-  the reference's up to the order of the additions;
+  the reference's up to the order of the additions. The layers call them as torch operators
+  (``torch.ops.llmlab.gemv`` and ``.dequantize``), so ``torch.compile`` traces a quantized
+  model's decode step into one graph;
 * **PyTorch's packed kernels** (``torch._weight_int8pack_mm``,
   ``aten._weight_int4pack_mm_for_cpu``): the fallback where no C compiler is found, and
   ``use_kernels("torch")``. They are fast only with bfloat16 activations (their float32
@@ -139,9 +141,11 @@ class QuantizedLinear(nn.Module):
         if layout is None:
             return None
         fmt, codes, stored = layout
+        get = stored.get
+        args = (get("scale"), get("d"), get("m"), get("group_size", 32))
         if path == "c":
-            return cpu_gemv._gemv(fmt, x, codes, self.in_features, **stored)
-        return F.linear(x, cpu_gemv._dequantize(fmt, codes, self.in_features, **stored))
+            return cpu_gemv.gemv_op(fmt, x, codes, self.in_features, *args)
+        return F.linear(x, cpu_gemv.dequantize_op(fmt, codes, self.in_features, *args))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _KERNELS["mode"] != "off" and x.device.type in ("cpu", "cuda"):   # CUDA: Triton
