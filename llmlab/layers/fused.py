@@ -11,10 +11,11 @@ Three fusions, each a function here with the same signature as its Triton kernel
 
 These references use the arithmetic of the model's own layers (:class:`~llmlab.layers.RMSNorm`,
 :class:`~llmlab.layers.MLP`, :mod:`~llmlab.layers.rotary`), so a fused float32 model gives
-the unfused one's tokens. What fusing buys in PyTorch alone is fewer, larger calls: one
-matmul for q, k and v instead of three, one for gate and up instead of two, and the
-residual add next to the norm that reads its result. The Triton kernels also merge the
-elementwise ops into one pass over memory each.
+the unfused one's tokens (SmolLM2's float32 logits bit for bit). What fusing buys in
+PyTorch alone is fewer, larger calls: one matmul for q, k and v instead of three, one for
+gate and up instead of two, q and k rotated as one tensor (a SmolLM2 decode step: 1,440
+operator calls instead of 1,560). The Triton kernels also merge the elementwise ops into
+one pass over memory each; under ``torch.compile`` Inductor fuses those by itself.
 
 :func:`fuse_model` rewrites a :class:`~llmlab.models.llama.CausalLM` in place: each layer
 becomes a :class:`FusedDecoderLayer` (same norms, same attention backend and cache
@@ -32,7 +33,7 @@ from torch import nn
 from .. import attention as attn_backends
 from ..kernels import fused as kernels
 from ..kernels.fused import check_add_rmsnorm, check_qkv_rope, check_swiglu
-from . import attention as _attention
+from .attention import Attention
 from .mlp import MLP
 from .norm import RMSNorm
 from .rotary import _rotate
@@ -86,13 +87,14 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
 def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int):
     """Split qkv [..., (heads + 2 kv_heads) · head_dim] into q [..., heads, head_dim],
-    k, v [..., kv_heads, head_dim] and rotate q and k by precomputed tables (v is a view)."""
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                         num_kv_heads * head_dim], dim=-1)
-    q = q.unflatten(-1, (num_heads, head_dim))
-    k = k.unflatten(-1, (num_kv_heads, head_dim))
-    return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin), \
-        v.unflatten(-1, (num_kv_heads, head_dim))
+    k, v [..., kv_heads, head_dim] and rotate q and k by precomputed tables.
+
+    q's and k's heads are rotated together, as one tensor (the same four operators as
+    rotating one of them); q and k are views of it, and v is a view of qkv.
+    """
+    heads = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, head_dim))
+    qk = _rotate(heads[..., :num_heads + num_kv_heads, :], cos, signed_sin)
+    return qk[..., :num_heads, :], qk[..., num_heads:, :], heads[..., num_heads + num_kv_heads:, :]
 
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -123,7 +125,7 @@ class FusedAttention(nn.Module):
     quantized layer); the backend and ``cache.attend`` are used as in the unfused module.
     """
 
-    def __init__(self, attn: _attention.Attention, qkv_proj: nn.Module, backend: str):
+    def __init__(self, attn: Attention, qkv_proj: nn.Module, backend: str):
         super().__init__()
         self.layer_idx = attn.layer_idx
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
@@ -228,7 +230,7 @@ def _projection(parent: nn.Module, fused_name: str, names: list[str], sizes: lis
 
 def _fused_layer(layer: nn.Module, backend: str) -> FusedDecoderLayer:
     attn = layer.self_attn
-    if not isinstance(attn, _attention.Attention):
+    if not isinstance(attn, Attention):
         raise ValueError(f"layer {getattr(attn, 'layer_idx', '?')}: self_attn is a "
                          f"{type(attn).__name__}; fuse_model expects llmlab's Attention")
     d = attn.head_dim
