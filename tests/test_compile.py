@@ -89,3 +89,65 @@ def test_compiled_smollm2_gives_eager_greedy_tokens(smollm2, tokenizer):
     eager = llmlab.generate(smollm2, tokenizer, q, max_new_tokens=48, kv_cache="contiguous")
     compiled = llmlab.generate(smollm2, tokenizer, q, max_new_tokens=48, compile=True)
     assert compiled.token_ids == eager.token_ids and compiled.text == eager.text
+
+
+def test_capture_sizes_and_buckets():
+    from llmlab.cache.graphed import bucket, capture_sizes
+
+    assert capture_sizes(1) == [1] and capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert [bucket(n, capture_sizes(12)) for n in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
+    with pytest.raises(ValueError, match="13 sequences exceed the largest capture size 12"):
+        bucket(13, capture_sizes(12))
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        capture_sizes(0)
+
+
+@torch.inference_mode()
+def test_graphed_paged_decode_matches_the_eager_paged_read(tiny):
+    """Eager (no compile): the fixed-shape decode over the pool gives the packed step's
+    logits, with the batch padded past its sequences."""
+    from llmlab.cache import PagedKVCache
+    from llmlab.cache.graphed import GraphedPagedDecode
+    from llmlab.engine.runner import ModelRunner
+
+    paged = PagedKVCache.for_model(tiny, 32, 4, backend="paged_sdpa")
+    runner = ModelRunner(tiny, paged)
+    prompts = {0: [5, 6, 7, 8, 9, 10], 1: [11, 12, 13]}
+    for sid, ids in prompts.items():
+        paged.manager.allocate(sid, ids)
+        positions = paged.prepare([sid], [len(ids)])
+        tiny(torch.tensor([ids]), positions=positions, cache=paged, last_only=True)
+        paged.manager.append_slot(sid, 3)
+    graphed = GraphedPagedDecode(paged)
+    starts = [len(p) for p in prompts.values()]
+    ids, pos = graphed.prepare(list(prompts), [3, 3], starts, batch=4)
+    assert ids.shape == pos.shape == (4, 1) and graphed.block_tables.shape[0] == 4
+    got = tiny.step(ids, pos, graphed, rows="last")[:2, -1]
+    want = tiny.step(torch.tensor([[3, 3]]), runner.packed.prepare(list(prompts), [1, 1], starts),
+                     runner.packed, rows=runner.packed.step.last_rows)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_llm_compile_gives_eager_tokens_and_never_recompiles(tiny, tiny_tok):
+    """A mixed trace on the engine: prompts join and leave, so decode steps run at batch
+    sizes 1 and 2; compiled decode gives eager's greedy tokens, and a second pass compiles
+    nothing new."""
+    from llmlab.engine import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20], list(range(21, 39)), [40, 41]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (30, 5, 50, 20, 64)]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(LLM(tiny, tiny_tok, max_num_seqs=2, block_size=4))
+    llm = LLM(tiny, tiny_tok, max_num_seqs=2, block_size=4, compile=True)
+    assert run(llm) == want
+    before = graphs_compiled()
+    assert run(llm) == want and graphs_compiled() == before
+    assert llm.engine.cache.manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match="compile=True reads a float KV pool"):
+        LLM(tiny, tiny_tok, compile=True, kv_cache_dtype="int8")

@@ -114,7 +114,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  paged_attention: str | None = None, seed: int = 0,
-                 decode_attention: str | None = None, kv_cache_dtype: str = "auto"):
+                 decode_attention: str | None = None, kv_cache_dtype: str = "auto",
+                 compile: bool = False):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
@@ -139,7 +140,11 @@ class LLMEngine:
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_token_id = eos
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        self.runner = ModelRunner(model, self.cache, pad_token_id=pad)
+        if compile and kv_cache_dtype != "auto":
+            raise ValueError(f"compile=True reads a float KV pool; got kv_cache_dtype="
+                             f"{kv_cache_dtype!r}, allowed with compile: 'auto'")
+        self.runner = ModelRunner(model, self.cache, pad_token_id=pad, compile=compile,
+                                  max_num_seqs=max_num_seqs)
         self._rng = torch.Generator().manual_seed(seed)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -606,7 +611,11 @@ class LLM:
     and KV head, dequantized when read: a block takes about half the bytes of bfloat16,
     so the default pool holds about twice the blocks). ``enable_chunked_prefill``:
     prompts are fed in chunks so no step exceeds ``max_num_batched_tokens`` (see
-    :mod:`llmlab.engine.scheduler`).
+    :mod:`llmlab.engine.scheduler`). ``compile=True`` (vLLM's ``enforce_eager=False``):
+    every step that only decodes runs one compiled graph per capture size (the batch
+    padded to 1, 2, 4, ... ``max_num_seqs``; CUDA graphs on a GPU) over the paged pool in
+    fixed shapes (:mod:`llmlab.cache.graphed`); steps with prompt tokens run eagerly. The
+    first decode step of each capture size compiles (notebook 11).
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
@@ -616,7 +625,8 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  attention: str = "sdpa", paged_attention: str | None = None, device=None,
                  dtype: str | torch.dtype | None = None, seed: int = 0,
-                 decode_attention: str | None = None, kv_cache_dtype: str = "auto"):
+                 decode_attention: str | None = None, kv_cache_dtype: str = "auto",
+                 compile: bool = False):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -647,7 +657,8 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 paged_attention=paged_attention, seed=seed,
-                                decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype)
+                                decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype,
+                                compile=compile)
 
     # -- inputs ------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:

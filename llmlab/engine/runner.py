@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import attention as attn_backends
+from ..cache.graphed import GraphedPagedDecode, bucket, capture_sizes
 from ..cache.packed import PackedPagedCache
 from ..cache.paged import PagedKVCache
 from ..prompts import left_pad
@@ -79,16 +80,41 @@ class ModelRunner:
     ``paged`` holds the K/V pool and the block manager the scheduler allocates from.
     """
 
-    def __init__(self, model, paged: PagedKVCache, pad_token_id: int = 0):
+    def __init__(self, model, paged: PagedKVCache, pad_token_id: int = 0,
+                 compile: bool = False, max_num_seqs: int = 16):
         self.model = model
         self.paged = paged
         self.packed = PackedPagedCache(paged)
         self.pad_token_id = pad_token_id
+        # compile=True: decode-only steps run the compiled step over fixed shapes
+        self.graphed = self.compiled = None
+        if compile:
+            from ..compile import compiled_step
+
+            self.graphed = GraphedPagedDecode(paged)
+            self.compiled = compiled_step(model)
+            self.capture_sizes = capture_sizes(max_num_seqs)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """-> float32 logits [num_scheduled, vocab] for the last new token of each sequence."""
+        if self.graphed is not None and all(s.num_new == 1 for s in step.scheduled):
+            return self.decode_graphed(step)
         return self.forward(self.prepare(step))
+
+    def decode_graphed(self, step: SchedulerOutput) -> torch.Tensor:
+        """A decode-only step through the compiled graph of its capture size
+        (:class:`~llmlab.cache.graphed.GraphedPagedDecode`): same logits as :meth:`forward`."""
+        seqs = [s.seq for s in step.scheduled]
+        starts = [s.num_computed for s in seqs]
+        ctx = self.model.config.max_position_embeddings
+        if max(starts) >= ctx:
+            raise ValueError(f"position {max(starts)} is past the model's context of {ctx} tokens")
+        self.paged.copy_blocks(step.block_copies)
+        tokens = [token_slice(s, s.num_computed, s.num_computed + 1)[0] for s in seqs]
+        batch = bucket(len(seqs), self.capture_sizes)
+        ids, positions = self.graphed.prepare([s.seq_id for s in seqs], tokens, starts, batch)
+        return self.compiled(ids, positions, self.graphed)[:len(seqs)]
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         """The step's inputs and attention metadata, built once (the layers share them).
