@@ -27,9 +27,10 @@ the callers keep PyTorch's kernels. ``LLMLAB_CPU_GEMV=0`` turns the kernels off.
 and say which one is wrong; ``_gemv`` and ``_dequantize`` skip the checks, for the
 quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
 construction and which call them about 120 times per decode step. The layers call them
-as the torch operators ``torch.ops.llmlab.gemv`` and ``torch.ops.llmlab.dequantize``
-(:data:`gemv_op`, :data:`dequantize_op`, with fake kernels for shapes), so that a graph
-compiled by ``torch.compile`` calls the C kernels without a graph break.
+as torch operators (``torch.ops.llmlab.int8_gemv``, ``q4_gemv``, ``q8_0_gemv``,
+``fp8_gemv`` and ``dequantize``: :data:`GEMV_OPS`, :data:`dequantize_op`, with fake
+kernels for shapes), so that a graph compiled by ``torch.compile`` calls the C kernels
+without a graph break; eager decode skips the dispatcher (:func:`skips_dispatcher`).
 
 Taught in notebook 08.
 """
@@ -326,29 +327,76 @@ def _dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | 
 
 # -- the same kernels as torch operators ---------------------------------------------------
 #
-# ``torch.ops.llmlab.gemv`` and ``torch.ops.llmlab.dequantize`` run ``_gemv`` and
-# ``_dequantize`` behind PyTorch's dispatcher, so that ``torch.compile`` puts them into its
-# graph as single calls (a ctypes call cannot be traced: it would break the graph) and the
-# profiler sees them as operators. Their fake kernels give the output's shape and dtype
-# without running C. Defined with ``torch.library.Library`` rather than the
-# ``torch.library.custom_op`` decorator: the decorator's Python wrapper costs about 4 µs per
-# call against about 2 µs for this route (1 thread, a 256 × 64 int8 product measured at
-# 6 µs called directly), and the layers make about 120 of these calls per decode step.
-# Unchecked like the calls they wrap: for tensors valid by construction only (x is made
-# contiguous here, since a compiled graph may hand over a strided view).
+# One operator per format runs ``_gemv`` behind PyTorch's dispatcher, and one runs
+# ``_dequantize``, so that ``torch.compile`` puts them into its graph as single calls (a
+# ctypes call cannot be traced: it breaks the graph) and the profiler sees them as
+# operators. Their fake kernels give the output's shape and dtype without running C.
+#
+#   llmlab::int8_gemv(x, codes, scale)         llmlab::q4_gemv(x, codes, d, m, group_size)
+#   llmlab::q8_0_gemv(x, codes, d)             llmlab::fp8_gemv(x, codes, scale)
+#   llmlab::dequantize(fmt, codes, k, scale, d, m, group_size)
+#
+# x [..., K] float32 -> y [..., N] float32, codes and the other tensors as in the layouts
+# above (K from codes: its width, twice that for q4). Unchecked like the calls they wrap:
+# for tensors valid by construction only; x is made contiguous here, since a compiled
+# graph may hand over a strided view.
+#
+# What a call costs. The layers make about 120 of these calls per decode step, so the
+# route matters. Measured on a 2-core CPU (1 thread, PyTorch 2.13) against calling the
+# kernel's Python function directly: the ``torch.library.custom_op`` decorator adds about
+# 4 µs per call; a ``torch.library.Library`` operator with a Python kernel, as here, about
+# 1.1 µs with three arguments (1.8 µs for a whole int8 call) and 2.2 µs with eight; a
+# keyword argument about 0.2 µs more. Hence ``Library``, one short positional signature
+# per format, and, in eager mode, no dispatcher at all where nothing needs it
+# (:func:`skips_dispatcher`): 1.8 µs × 121 calls was +0.2 to +0.6 ms on a 14 ms int8
+# SmolLM2 decode step.
 
-GEMV_SCHEMA = ("gemv(str fmt, Tensor x, Tensor codes, int k, Tensor? scale=None, "
-               "Tensor? d=None, Tensor? m=None, int group_size=32) -> Tensor")
-DEQUANTIZE_SCHEMA = ("dequantize(str fmt, Tensor codes, int k, Tensor? scale=None, "
-                     "Tensor? d=None, Tensor? m=None, int group_size=32) -> Tensor")
+_OPS = torch.library.Library("llmlab", "FRAGMENT")   # kept alive: it holds the registrations
 
 
-def _gemv_kernel(fmt, x, codes, k, scale=None, d=None, m=None, group_size=32):
-    if _LIB.get("lib") is None:
+def _ready(x: torch.Tensor) -> torch.Tensor:
+    if _LIB.get("lib") is None:        # the library is built on first use
         _library()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return _gemv(fmt, x, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _int8_gemv(x, codes, scale):
+    return _gemv("int8", _ready(x), codes, codes.shape[1], scale=scale)
+
+
+def _q4_gemv(x, codes, d, m, group_size):
+    return _gemv("q4", _ready(x), codes, 2 * codes.shape[1], d=d, m=m, group_size=group_size)
+
+
+def _q8_0_gemv(x, codes, d):
+    return _gemv("q8_0", _ready(x), codes, codes.shape[1], d=d)
+
+
+def _fp8_gemv(x, codes, scale):
+    return _gemv("fp8", _ready(x), codes, codes.shape[1], scale=scale)
+
+
+def _fake_gemv(fmt: str):
+    """The fake kernel of ``fmt``'s operator: y's shape and dtype, no C."""
+    per_byte = 2 if fmt == "q4" else 1
+
+    def fake(x, codes, *others):
+        k = per_byte * codes.shape[1]
+        if x.shape[-1] != k:
+            raise ValueError(f"llmlab::{fmt}_gemv: x {list(x.shape)} must end in K={k}")
+        return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=torch.float32)
+    return fake
+
+
+_GEMV_KERNELS = {
+    "int8": ("(Tensor x, Tensor codes, Tensor scale) -> Tensor", _int8_gemv),
+    "q4": ("(Tensor x, Tensor codes, Tensor d, Tensor m, int group_size) -> Tensor", _q4_gemv),
+    "q8_0": ("(Tensor x, Tensor codes, Tensor d) -> Tensor", _q8_0_gemv),
+    "fp8": ("(Tensor x, Tensor codes, Tensor scale) -> Tensor", _fp8_gemv)}
+for _fmt, (_schema, _kernel) in _GEMV_KERNELS.items():
+    _OPS.define(f"{_fmt}_gemv{_schema}")
+    _OPS.impl(f"{_fmt}_gemv", _kernel, "CPU")
+    torch.library.register_fake(f"llmlab::{_fmt}_gemv", _fake_gemv(_fmt), lib=_OPS)
 
 
 def _dequantize_kernel(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
@@ -357,28 +405,30 @@ def _dequantize_kernel(fmt, codes, k, scale=None, d=None, m=None, group_size=32)
     return _dequantize(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
 
 
-def _gemv_fake(fmt, x, codes, k, scale=None, d=None, m=None, group_size=32):
-    if x.shape[-1] != k:
-        raise ValueError(f"llmlab::gemv: x {list(x.shape)} must end in k={k}")
-    return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=torch.float32)
-
-
 def _dequantize_fake(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
     return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
 
 
-_OPS = torch.library.Library("llmlab", "FRAGMENT")   # kept alive: it holds the registrations
-_OPS.define(GEMV_SCHEMA)
-_OPS.define(DEQUANTIZE_SCHEMA)
-_OPS.impl("gemv", _gemv_kernel, "CPU")
+_OPS.define("dequantize(str fmt, Tensor codes, int k, Tensor? scale=None, Tensor? d=None, "
+            "Tensor? m=None, int group_size=32) -> Tensor")
 _OPS.impl("dequantize", _dequantize_kernel, "CPU")
-torch.library.register_fake("llmlab::gemv", _gemv_fake, lib=_OPS)
 torch.library.register_fake("llmlab::dequantize", _dequantize_fake, lib=_OPS)
 
-#: ``gemv_op(fmt, x, codes, k, scale, d, m, group_size)``: the operator the layers call.
-gemv_op = torch.ops.llmlab.gemv.default
+#: The operator of each format: ``GEMV_OPS[fmt](x, codes, *others)``, the others in the
+#: order of the schemas above (what the quantized layers' ``c_layout`` lists).
+GEMV_OPS = {fmt: getattr(torch.ops.llmlab, f"{fmt}_gemv").default for fmt in _GEMV_KERNELS}
 #: ``dequantize_op(fmt, codes, k, scale, d, m, group_size)``.
 dequantize_op = torch.ops.llmlab.dequantize.default
+_profiling, _dispatch_modes = torch._C._autograd._profiler_enabled, torch._C._len_torch_dispatch_stack
+
+
+def skips_dispatcher(x: torch.Tensor) -> bool:
+    """Whether a product with x may call its kernel (``_gemv``) directly instead of the
+    operator: in eager mode, on a plain tensor, with no profiler (which should see the
+    operator) and no dispatch mode (which intercepts operators). Under ``torch.compile``
+    it is False, so the graph holds the operator. About 0.2 µs."""
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and not _profiling() and not _dispatch_modes())
 
 
 def _input(x: torch.Tensor, k: int) -> torch.Tensor:
