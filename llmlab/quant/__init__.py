@@ -41,7 +41,10 @@ nearest 3.2e-3, both together 9.2e-4 (``python -m llmlab.bench quant`` prints bo
 ``fuse=True`` (the default) stores q/k/v and gate/up of each layer as one matrix each
 (:class:`SharedProjection`): one kernel call per group, the same weights.
 
-Activations stay float32 between layers; the KV cache is untouched. Taught in notebook 08.
+Activations stay float32 between layers; the KV cache is untouched. The C decode kernels
+are torch operators (``torch.ops.llmlab.int8_gemv``, ``q4_gemv``, ...), so a quantized
+model's decode step compiles into one graph: ``llmlab.generate(qmodel, tok, prompts,
+compile=True)`` gives eager's greedy tokens (notebook 11). Taught in notebook 08.
 """
 from __future__ import annotations
 
