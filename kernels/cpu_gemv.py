@@ -50,7 +50,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 COMPILE_TIMEOUT_S = 120.0           # a compiler that hangs must not hang the first decode step
-_LIB: dict[str, object] = {}        # "lib": the loaded library or None, "error": why not
+_LIB: dict[str, object] = {}   # "lib": the loaded library or None, "error": why not,
+                               # "available": whether "lib" is one (see available())
 
 
 def _cpu_id() -> str:
@@ -182,12 +183,15 @@ def _open(path: Path):
     return lib
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
-    """True when the C kernels are built and loaded on this machine. ``torch.compile``
-    calls it while tracing (building the library on first use) and keeps the answer as a
-    constant of the graph, rather than tracing the build."""
-    return _load() is not None
+    """True when the C kernels are built and loaded on this machine (built on the first
+    call). A traced call reads the stored answer, a constant of the graph:
+    :class:`llmlab.compile.CompiledStep` calls this before tracing, so the build itself is
+    never traced. (Marking it ``torch.compiler.assume_constant_result`` would import
+    TorchDynamo, over a second, into every process that imports llmlab.)"""
+    if "available" not in _LIB:
+        _LIB["available"] = _load() is not None
+    return _LIB["available"]
 
 
 def describe() -> str:

@@ -48,6 +48,10 @@ class CompiledStep:
     def __init__(self, model, mode: str | None = None):
         self.model = model
         self.mode = default_mode(model.device) if mode is None else mode
+        if model.device.type == "cpu":       # the C decode kernels: built now, not traced
+            from .kernels import cpu_gemv
+
+            cpu_gemv.available()
         self._fn = torch.compile(model.step, fullgraph=True, dynamic=False, mode=self.mode)
         self.compile_s = 0.0
         self.batch_sizes: set[int] = set()

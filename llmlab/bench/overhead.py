@@ -4,7 +4,8 @@ matmuls, eager against compiled, per weight format, against HF transformers and 
 SmolLM2-135M, one decode step after a 32-token context, batch 1 and 8, for each scheme
 (fp32; int8 and int4 weights, :func:`llmlab.quantize`) and mode (``eager``: the model's
 forward on the contiguous cache; ``compiled``: :mod:`llmlab.compile`'s step on the static
-cache). Per row it prints:
+cache; ``compiled+fused``: the same after :func:`llmlab.layers.fused.fuse_model`). Per
+row it prints:
 
 * decode tok/s of the step (batch / median step time; no sampling), and its spread;
 * operator calls per step (:func:`llmlab.profiling.count_ops`: what crosses the dispatcher;
@@ -29,6 +30,20 @@ import torch
 from ._common import header, save, table, timed_parser
 
 CONTEXT = 32
+MODES = ("eager", "compiled", "compiled+fused")
+_FUSED: dict = {}
+
+
+def fused(model):
+    """A copy of ``model`` with its layers fused (:func:`llmlab.layers.fused.fuse_model`,
+    the PyTorch ops: one qkv and one gate_up matmul per layer), made once per model."""
+    import copy
+
+    from ..layers.fused import fuse_model
+
+    if id(model) not in _FUSED:
+        _FUSED[id(model)] = fuse_model(copy.deepcopy(model), "torch")
+    return _FUSED[id(model)]
 
 
 def _weight_bytes(model) -> int:
@@ -49,11 +64,12 @@ def step_rows(models: dict, batches: list[int], repeats: int, bandwidth: float) 
     rows = []
     for scheme, model in models.items():
         roof_s = _weight_bytes(model) / bandwidth
-        for mode in ("eager", "compiled"):
+        for mode in MODES:
             for b in batches:
                 row = {"scheme": scheme, "mode": mode, "batch": b}
                 try:
-                    step = make_decode_step(model, b, CONTEXT, compile=mode == "compiled")
+                    m = fused(model) if mode.endswith("fused") else model
+                    step = make_decode_step(m, b, CONTEXT, compile=mode.startswith("compiled"))
                     t0 = time.perf_counter()
                     step()                                  # builds the graph when compiled
                     first_s = time.perf_counter() - t0
