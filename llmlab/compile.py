@@ -31,6 +31,20 @@ import torch
 _STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, CompiledStep]" = weakref.WeakKeyDictionary()
 
 
+# TorchDynamo keeps at most ``recompile_limit`` graphs (default 8) per function, then runs it
+# eagerly: every model shares CausalLM.step's code, and each gets a graph per batch bucket,
+# slot or block-table bucket and cache type (the engine alone: 5 capture sizes × widths)
+RECOMPILE_LIMIT = 128
+
+
+def _allow_graphs(limit: int) -> None:
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, limit)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * limit)
+
+
 def default_mode(device: torch.device | str) -> str | None:
     """``"reduce-overhead"`` (CUDA graphs) on CUDA; Inductor's default elsewhere."""
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
@@ -52,6 +66,7 @@ class CompiledStep:
             from .kernels import cpu_gemv
 
             cpu_gemv.available()
+        _allow_graphs(RECOMPILE_LIMIT)
         self._fn = torch.compile(model.step, fullgraph=True, dynamic=False, mode=self.mode)
         self.compile_s = 0.0
         self.batch_sizes: set[int] = set()

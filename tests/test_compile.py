@@ -151,3 +151,14 @@ def test_llm_compile_gives_eager_tokens_and_never_recompiles(tiny, tiny_tok):
     assert llm.engine.cache.manager.num_used_blocks == 0
     with pytest.raises(ValueError, match="compile=True reads a float KV pool"):
         LLM(tiny, tiny_tok, compile=True, kv_cache_dtype="int8")
+
+
+def test_a_compiled_step_may_keep_a_graph_per_bucket(tiny):
+    """TorchDynamo's default of 8 graphs per function would send a ninth bucket (another
+    model, batch size or width) back to eager without a word."""
+    import torch._dynamo
+
+    from llmlab.compile import RECOMPILE_LIMIT, CompiledStep
+
+    CompiledStep(tiny)
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT >= 64

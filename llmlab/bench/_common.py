@@ -15,12 +15,12 @@ def header(title: str) -> None:
 
 
 def table(rows: list[dict], floatfmt: str = "{:.4g}") -> None:
-    """Print rows (dicts with the same keys) as an aligned text table."""
+    """Print rows (dicts; a key some rows lack is blank in them) as an aligned text table."""
     if not rows:
         return
-    keys = list(rows[0])
-    cells = [[k for k in keys]] + [[floatfmt.format(r[k]) if isinstance(r[k], float) else str(r[k])
-                                    for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[k for k in keys]] + [[floatfmt.format(r[k]) if isinstance(r.get(k), float)
+                                    else str(r.get(k, "")) for k in keys] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
     for j, row in enumerate(cells):
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
