@@ -30,6 +30,13 @@ from ..config import ModelConfig
 KV_DTYPES = ("auto", "int8")   # "auto": K/V stored in the model's dtype
 
 
+def check_sizes(**sizes: int) -> None:
+    """ValueError naming the first of ``sizes`` (name=value) that is not a positive int."""
+    for label, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}={value!r} must be a positive int")
+
+
 def check_kv_dtype(kv_dtype) -> str:
     """``kv_dtype`` if it is one of :data:`KV_DTYPES` (None means ``"auto"``); ValueError else."""
     kv_dtype = "auto" if kv_dtype is None else kv_dtype
@@ -110,11 +117,8 @@ class ContiguousKVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: str = "auto"):
-        for label, value in (("num_layers", num_layers), ("batch", batch),
-                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                             ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_sizes(num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, max_len=max_len)
         self.num_layers, self.batch, self.max_len = num_layers, batch, max_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.kv_dtype, self.dtype = check_kv_dtype(kv_dtype), dtype

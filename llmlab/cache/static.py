@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .contiguous import check_sizes
+
 
 MIN_SLOTS = 256
 
@@ -60,11 +62,8 @@ class StaticKVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        for label, value in (("num_layers", num_layers), ("batch", batch),
-                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                             ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_sizes(num_layers=num_layers, batch=batch, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, max_len=max_len)
         self.num_layers, self.batch, self.max_len = num_layers, batch, max_len
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (batch, num_kv_heads, max_len + 1, head_dim)          # + the bin slot
