@@ -145,7 +145,7 @@ def test_a_schedule_function_replaces_the_continuous_step():
         self._schedule_decodes(out)
         if self.waiting and not out.preempted and self.bm.can_allocate(
                 self.waiting[0].all_token_ids):
-            self._admit(self.waiting[0], out)
+            self.admit(self.waiting[0], out)
         return out
 
     logs = {}

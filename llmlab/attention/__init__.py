@@ -67,6 +67,12 @@ def register(name: str, forward: Callable, *, description: str = "",
     return backend
 
 
+def unregister(name: str) -> bool:
+    """Remove a backend added by :func:`register` (a checker's temporary one, say); returns
+    whether it was there."""
+    return _REGISTRY.pop(name, None) is not None
+
+
 def available() -> list[str]:
     """Names of the registered backends, in registration order."""
     _load_optional()
@@ -112,5 +118,5 @@ def _load_optional() -> None:
                 raise
 
 
-__all__ = ["Backend", "register", "available", "get", "paged_backends", "naive_attention",
+__all__ = ["Backend", "register", "unregister", "available", "get", "paged_backends", "naive_attention",
            "sdpa_attention", "causal_mask", "expand_kv", "varlen_by_sequence"]

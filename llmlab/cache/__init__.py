@@ -59,6 +59,11 @@ def register(name: str, factory: Callable) -> None:
     _FACTORIES[name] = factory
 
 
+def unregister(name: str) -> bool:
+    """Remove a cache added by :func:`register`; returns whether it was there."""
+    return _FACTORIES.pop(name, None) is not None
+
+
 def available() -> list[str]:
     """Names accepted by ``kv_cache=`` (``"none"`` first: the no-cache baseline)."""
     return list(_FACTORIES)
@@ -79,6 +84,6 @@ def create(name: str, model, batch: int, max_len: int, **options):
     return None if factory is None else factory(model, batch, max_len, **options)
 
 
-__all__ = ["ContiguousKVCache", "kv_bytes_per_token", "kv_cache_bytes", "register",
+__all__ = ["ContiguousKVCache", "kv_bytes_per_token", "kv_cache_bytes", "register", "unregister",
            "available", "check_name", "create", "BlockManager", "NoFreeBlocksError",
            "PagedKVCache", "PackedPagedCache", "blocks_needed", "StaticKVCache"]

@@ -303,7 +303,7 @@ class BlockManager:
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def _match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """Cached blocks (and their hashes) for the longest cached prefix of ``tokens``.
 
         Only full blocks strictly before the block holding the last token can match,
@@ -326,7 +326,7 @@ class BlockManager:
 
     def num_blocks_to_allocate(self, prompt_tokens: Sequence[int]) -> int:
         """Free blocks ``allocate`` would consume (cache hits on unreferenced blocks count)."""
-        hits, _ = self._match_prefix(prompt_tokens)
+        hits, _ = self.match_prefix(prompt_tokens)
         fresh = self._blocks_for(len(prompt_tokens)) - len(hits)
         return fresh + sum(1 for b in hits if self.allocator.is_evictable(b))
 
@@ -348,7 +348,7 @@ class BlockManager:
         needed = self.num_blocks_to_allocate(tokens)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(needed, self.num_free_blocks, f"allocate {seq_id!r}")
-        hits, hashes = self._match_prefix(tokens)
+        hits, hashes = self.match_prefix(tokens)
         blocks: list[int] = []
         try:
             for block in hits:                   # claim hits before fresh blocks can evict them

@@ -115,7 +115,7 @@ class Scheduler:
     and ``scheduler.config``, and use the helpers the built-in policy uses:
     ``in_prefill(seq)``, ``_schedule_decodes(out, decoding)`` (a decode slot for each,
     preempting the newest when blocks run out), ``_seats_in_use()``,
-    ``_seats_needed(seq)`` and ``_admit(seq, out, limit)`` (allocate a waiting
+    ``_seats_needed(seq)`` and ``admit(seq, out, limit)`` (allocate a waiting
     sequence's blocks, move it to running and schedule its prompt). Every sequence it
     schedules must hold slots for the tokens it feeds: ``num_new`` tokens from
     ``seq.num_computed`` on. If it raises, the engine recovers as from any failed step.
@@ -166,7 +166,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if self.config.policy == "continuous":
-            self._release_seat(seq)
+            self.release_seat(seq)
 
     def reset(self, unfinished: list[Sequence]) -> None:
         """Start over after a step failed part-way: no sequence holds a block any more.
@@ -199,7 +199,8 @@ class Scheduler:
         self.seats[slot] = seq
         seq.slot = slot
 
-    def _release_seat(self, seq: Sequence) -> None:
+    def release_seat(self, seq: Sequence) -> None:
+        """``seq`` leaves its seat (finished, preempted or aborted); the seat is free."""
         if seq.slot is not None and self.seats.get(seq.slot) is seq:
             self.seats[seq.slot] = None
         seq.slot = None
@@ -232,7 +233,7 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.batch:
             self.batch.remove(seq)
-        self._release_seat(seq)
+        self.release_seat(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -269,7 +270,7 @@ class Scheduler:
         """Still feeding tokens it already holds slots for (a prompt, or a chunk of one)."""
         return self.bm.has_seq(seq.seq_id) and self.bm.num_tokens(seq.seq_id) > seq.num_computed
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput, limit: int | None = None) -> int:
+    def admit(self, seq: Sequence, out: SchedulerOutput, limit: int | None = None) -> int:
         """Allocate a waiting sequence's blocks and schedule its prefill (at most ``limit``
         tokens of it); returns the tokens scheduled."""
         cached = self.bm.allocate(seq.seq_id, seq.all_token_ids)
@@ -321,7 +322,7 @@ class Scheduler:
                 break
             if not self.bm.can_allocate(seq.all_token_ids):
                 break
-            used += self._admit(seq, out, budget - used if chunked else None)
+            used += self.admit(seq, out, budget - used if chunked else None)
             seats += need
         return out
 
@@ -337,7 +338,7 @@ class Scheduler:
         self.batch = [s for s in self.batch if not s.finished or s.slot is not None]
         if self.batch and all(s.finished for s in self.batch):
             for s in self.batch:       # the whole table has finished: free the seats
-                self._release_seat(s)
+                self.release_seat(s)
             self.batch = []
         if self.batch:
             self._schedule_decodes(out)
@@ -355,7 +356,7 @@ class Scheduler:
                 break
             seats += need_seats
             blocks += need_blocks
-            self._admit(seq, out)
+            self.admit(seq, out)
             self.batch.append(seq)
         return out
 

@@ -111,7 +111,7 @@ def _run_model_with(forward: Callable, prompts: list[list[int]], new_tokens: int
                       f"{tok.decode(tokens[0])!r}")
     finally:
         model.set_attention("naive")
-        A._REGISTRY.pop(name, None)
+        A.unregister(name)
 
 
 # ---- naive_attention ---------------------------------------------------------------------------

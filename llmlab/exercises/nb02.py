@@ -242,7 +242,7 @@ def _generate_with(cls, prompts: list[list[int]], new_tokens: int):
     finally:
         hook.remove()
         model.set_attention("naive")
-        kv_caches._FACTORIES.pop(name, None)
+        kv_caches.unregister(name)
     return gens, fed
 
 

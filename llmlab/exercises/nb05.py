@@ -135,13 +135,13 @@ def admit(sched: Scheduler, seq: Sequence, out: SchedulerOutput) -> int:
 
     The caller has checked ``sched.bm.can_allocate(seq.all_token_ids)``.
     """
-    return sched._admit(seq, out)
+    return sched.admit(seq, out)
 
 
 def requeue(sched: Scheduler, seq: Sequence) -> None:
     """Given: a preempted ``seq`` (its blocks already freed, out of ``sched.running``) waits
     again at the *front* of the queue; everything it computed is to be recomputed."""
-    sched._release_seat(seq)
+    sched.release_seat(seq)
     seq.num_computed = 0
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
@@ -547,7 +547,7 @@ def _check_explain_chunking(answer):
 def cached_blocks(sched: Scheduler, seq: Sequence) -> int:
     """Given (for the stretch): how many leading blocks of ``seq``'s tokens the prefix cache
     holds now (0 when prefix caching is off)."""
-    return len(sched.bm._match_prefix(seq.all_token_ids)[0])
+    return len(sched.bm.match_prefix(seq.all_token_ids)[0])
 
 
 def _solution_prefix_aware(sched: Scheduler, now: float) -> SchedulerOutput:
