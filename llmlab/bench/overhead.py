@@ -46,24 +46,13 @@ def fused(model):
     return _FUSED[id(model)]
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of every parameter and buffer a decode step reads (quantized codes and scales
-    included; a tied embedding counted once, as the output projection)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
 def step_rows(models: dict, batches: list[int], repeats: int, bandwidth: float) -> list[dict]:
     from ..profiling.overhead import count_ops, make_decode_step, step_breakdown
+    from ..quant import weight_nbytes
 
     rows = []
     for scheme, model in models.items():
-        roof_s = _weight_bytes(model) / bandwidth
+        roof_s = weight_nbytes(model) / bandwidth
         for mode in MODES:
             for b in batches:
                 row = {"scheme": scheme, "mode": mode, "batch": b}

@@ -105,13 +105,8 @@ class ModelRunner:
     def decode_graphed(self, step: SchedulerOutput) -> torch.Tensor:
         """A decode-only step through the compiled graph of its capture size
         (:class:`~llmlab.cache.graphed.GraphedPagedDecode`): same logits as :meth:`forward`."""
-        seqs = [s.seq for s in step.scheduled]
-        starts = [s.num_computed for s in seqs]
-        ctx = self.model.config.max_position_embeddings
-        if max(starts) >= ctx:
-            raise ValueError(f"position {max(starts)} is past the model's context of {ctx} tokens")
-        self.paged.copy_blocks(step.block_copies)
-        tokens = [token_slice(s, s.num_computed, s.num_computed + 1)[0] for s in seqs]
+        seqs, starts, ids = self._begin(step)
+        tokens = [row[0] for row in ids]
         batch = bucket(len(seqs), self.capture_sizes)
         ids, positions = self.graphed.prepare([s.seq_id for s in seqs], tokens, starts, batch)
         return self.compiled(ids, positions, self.graphed)[:len(seqs)]
@@ -122,16 +117,8 @@ class ModelRunner:
         Copies the step's copy-on-write blocks, and checks on the host that no position
         passes the model's context.
         """
-        seqs = [s.seq for s in step.scheduled]
+        seqs, starts, ids = self._begin(step)
         num_new = [s.num_new for s in step.scheduled]
-        starts = [s.num_computed for s in seqs]
-        top = max(a + n for a, n in zip(starts, num_new)) - 1
-        ctx = self.model.config.max_position_embeddings
-        if top >= ctx:
-            raise ValueError(f"position {top} is past the model's context of {ctx} tokens")
-        self.paged.copy_blocks(step.block_copies)
-        ids = [token_slice(s.seq, s.seq.num_computed, s.seq.num_computed + s.num_new)
-               for s in step.scheduled]
         dev = self.model.device
         # a step of single-token decodes has nothing to pad: both layouts are the same,
         # so it takes the packed path (one attention implementation for both policies)
@@ -142,6 +129,20 @@ class ModelRunner:
         positions = self.paged.prepare([s.seq_id for s in seqs], num_new)
         input_ids, _ = left_pad(ids, self.pad_token_id, dev)
         return StepInputs(input_ids, positions, self.paged, None)
+
+    def _begin(self, step: SchedulerOutput):
+        """What both layouts start from: the sequences, where each starts and its new token
+        ids; checks on the host that no position passes the model's context, and copies
+        the step's copy-on-write blocks."""
+        seqs = [s.seq for s in step.scheduled]
+        starts = [s.num_computed for s in seqs]
+        top = max(a + s.num_new for a, s in zip(starts, step.scheduled)) - 1
+        ctx = self.model.config.max_position_embeddings
+        if top >= ctx:
+            raise ValueError(f"position {top} is past the model's context of {ctx} tokens")
+        self.paged.copy_blocks(step.block_copies)
+        ids = [token_slice(s.seq, a, a + s.num_new) for a, s in zip(starts, step.scheduled)]
+        return seqs, starts, ids
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The decoder over prepared inputs -> float32 logits [batch, vocab], computed only at
