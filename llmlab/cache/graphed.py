@@ -9,9 +9,9 @@ so :class:`GraphedPagedDecode` pads both to buckets, as vLLM does for its CUDA g
 * the batch to the next *capture size* (1, 2, 4, 8, ... up to ``max_num_seqs``): a padded
   row repeats the first sequence (same token, position, slot and blocks), so it writes
   the very K/V that row writes and its output is dropped;
-* every block table to the same number of entries, a power of two blocks of at least
-  :data:`MIN_BLOCK_SLOTS` slots: entries past a sequence's end point at block 0 and are
-  masked out by its length.
+* every block table to the same number of entries, enough blocks for the static cache's
+  bucket of slots (a power of two, at least 256): entries past a sequence's end point at
+  block 0 and are masked out by its length.
 
 Per layer, :meth:`GraphedPagedDecode.attend` writes the new K/V into the pool at the slot
 mapping (a scatter at a tensor of slots) and attends over the gathered blocks under the
@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .paged import PagedKVCache
-
-MIN_BLOCK_SLOTS = 256       # key slots per row at least (as the static cache's buckets)
+from .static import slots_for
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -70,11 +69,10 @@ class GraphedPagedDecode:
         self.lengths: torch.Tensor | None = None         # long [batch]: keys per row
 
     def table_width(self, longest: int) -> int:
-        """Block-table entries per row for sequences of up to ``longest`` tokens: enough
-        blocks for a power of two of slots, at least :data:`MIN_BLOCK_SLOTS`."""
+        """Block-table entries per row for sequences of up to ``longest`` tokens: the static
+        cache's bucket of slots (:func:`~llmlab.cache.static.slots_for`) in blocks."""
         bs = self.paged.block_size
-        slots = max(MIN_BLOCK_SLOTS, 1 << (max(longest, 1) - 1).bit_length())
-        return min(-(-slots // bs), self.paged.num_blocks)
+        return -(-slots_for(max(longest, 1), self.paged.num_blocks * bs) // bs)
 
     def prepare(self, seq_ids: Sequence[Hashable], tokens: Sequence[int],
                 positions: Sequence[int], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,5 +134,4 @@ def graphed_paged_attend(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mappin
     return out.reshape(b, 1, h, d)
 
 
-__all__ = ["GraphedPagedDecode", "graphed_paged_attend", "capture_sizes", "bucket",
-           "MIN_BLOCK_SLOTS"]
+__all__ = ["GraphedPagedDecode", "graphed_paged_attend", "capture_sizes", "bucket"]
