@@ -83,3 +83,68 @@ def test_compare_tensors_names_the_error():
     assert "0.5" in msg and "(1, 2)" in msg
     assert "shape" in compare_tensors(torch.zeros(3), want, "out", 1e-6)
     assert "tensor" in compare_tensors([0.0], want, "out", 1e-6)
+
+
+def _choice_questions():
+    return [exercises.get(n) for n in ALL if exercises.get(n).kind == "explain"]
+
+
+def test_every_explain_question_has_its_options_in_the_registry():
+    missing = [ex.name for ex in _choice_questions() if not ex.choices]
+    assert missing == [], f"explain exercises without choices: {missing}"
+    for ex in _choice_questions():
+        assert ex.solution in ex.choices, ex.name
+        assert "(" + ex.solution + ")" in exercises.ask(ex.name)._repr_markdown_()
+
+
+def test_options_do_not_give_the_answer_away():
+    """The right option is the longest in at most a third of the questions, and no letter is
+    right in more than half of them."""
+    qs = [ex for ex in _choice_questions() if ex.choices]
+    assert len(qs) >= 8
+    longest = [ex.name for ex in qs
+               if all(len(ex.choices[ex.solution]) > len(v) for k, v in ex.choices.items()
+                      if k != ex.solution)]
+    assert len(longest) <= len(qs) / 3, f"right option is the longest in {longest}"
+    letters = [ex.solution for ex in qs]
+    worst = max(set(letters), key=letters.count)
+    assert letters.count(worst) <= len(qs) / 2, f"({worst}) is right in {letters.count(worst)}/{len(qs)}"
+
+
+def test_notebooks_show_the_registry_options():
+    """A notebook asks its explain questions with exercises.ask, not options typed in Markdown."""
+    for ex in _choice_questions():
+        src = next((REPO / "notebooks" / "src").glob(ex.notebook[:2] + "_*.py")).read_text()
+        assert f'exercises.ask("{ex.name}")' in src, f"{ex.notebook} does not ask {ex.name}"
+
+
+def test_forbid_catches_a_wrapper_around_the_library():
+    import torch
+
+    from llmlab.attention import naive_attention
+
+    def wrapper(q, k, v):
+        return naive_attention(q, k, v)
+
+    q = torch.randn(1, 2, 3, 4)
+    with exercises.forbid(naive_attention):
+        try:
+            wrapper(q, q, q)
+        except exercises.LibraryAnswer as exc:
+            assert "naive_attention" in exc.what
+        else:
+            raise AssertionError("forbid let the library run")
+    assert naive_attention(q, q, q).shape == q.shape   # restored after the block
+
+    @exercise("nb99.forbidden", notebook="99_test", title="t", kind="build",
+              solution=lambda: 1)
+    def _check(fn):
+        with exercises.forbid(naive_attention):
+            fn()
+        return Verdict(True, "ok")
+
+    try:
+        v = exercises.check("nb99.forbidden", lambda: wrapper(q, q, q))
+        assert not v.passed and "llmlab's own" in v.message and "naive_attention" in v.message
+    finally:
+        exercises._REGISTRY.pop("nb99.forbidden", None)

@@ -26,6 +26,7 @@ and ends with a hint.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import pkgutil
@@ -84,10 +85,15 @@ class Exercise:
     placeholder: Any = None
     wrong_variants: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     stretch: bool = False
+    choices: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"exercise {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+        if self.choices is not None and (not self.choices or any(
+                len(k) != 1 or not k.islower() for k in self.choices)):
+            raise ValueError(f"exercise {self.name!r}: choices {list(self.choices)} should be "
+                             "single lower-case letters")
 
     def check(self, answer: Any, **context) -> Verdict:
         """Judge ``answer``; never raises (a KeyboardInterrupt still stops the cell)."""
@@ -96,6 +102,11 @@ class Exercise:
                          "replace it with your answer and run the cell again.")
         try:
             verdict = self.checker(answer, **context)
+        except LibraryAnswer as exc:
+            return wrong(f"your answer calls llmlab's own {exc.what}, which is what this build "
+                         "asks you to write.",
+                         "write the technique yourself from plain tensor operations; the "
+                         "notebook's cells above show the pieces.")
         except NotImplementedError:
             return wrong("your code still raises NotImplementedError.",
                          "replace the `raise NotImplementedError` with your implementation.")
@@ -116,11 +127,14 @@ _REGISTRY: dict[str, Exercise] = {}
 
 def exercise(name: str, *, notebook: str, title: str, kind: str, solution: Any,
              placeholder: Any = None, wrong_variants: dict | None = None,
-             stretch: bool = False) -> Callable[[Callable[..., Verdict]], Callable[..., Verdict]]:
+             stretch: bool = False, choices: dict[str, str] | None = None
+             ) -> Callable[[Callable[..., Verdict]], Callable[..., Verdict]]:
     """Decorator: register the decorated checker as exercise ``name`` (``nbNN.short_name``).
 
     ``placeholder`` defaults to what the shipped notebook holds: a function that raises
     NotImplementedError for a build exercise (or any callable solution), else None.
+    ``choices`` (letter -> option text) are the options a student sees: the notebook shows
+    them with :func:`ask`, so the question and its checker share one source.
     """
     if placeholder is None and (kind == "build" or callable(solution)):
         placeholder = _raises_not_implemented
@@ -129,7 +143,8 @@ def exercise(name: str, *, notebook: str, title: str, kind: str, solution: Any,
         if name in _REGISTRY:
             raise ValueError(f"exercise {name!r} is registered twice")
         _REGISTRY[name] = Exercise(name, notebook, title, kind, checker, solution, placeholder,
-                                   dict(wrong_variants or {}), stretch)
+                                   dict(wrong_variants or {}), stretch,
+                                   None if choices is None else dict(choices))
         return checker
 
     return register
@@ -159,6 +174,78 @@ def get(name: str) -> Exercise:
 def check(name: str, answer: Any, **context) -> Verdict:
     """Check ``answer`` for exercise ``name``; the verdict shows itself in a notebook cell."""
     return get(name).check(answer, **context)
+
+
+class Question:
+    """A multiple-choice question as a notebook shows it: the title and the options.
+
+    Displays as Markdown in Jupyter and as plain text elsewhere."""
+
+    def __init__(self, exercise: Exercise):
+        self.exercise = exercise
+
+    def _lines(self) -> list[str]:
+        ex = self.exercise
+        return [f"- ({k}) {v}" for k, v in (ex.choices or {}).items()]
+
+    def _repr_markdown_(self) -> str:
+        title = self.exercise.title.removeprefix("explain: ").removeprefix("stretch: ")
+        return f"**{title[:1].upper() + title[1:]}**\n\n" + "\n".join(self._lines())
+
+    def __str__(self) -> str:
+        return self.exercise.title + "\n" + "\n".join(self._lines())
+
+    __repr__ = __str__
+
+
+def ask(name: str) -> Question:
+    """The question ``name`` with its options, for a notebook cell to display."""
+    ex = get(name)
+    if not ex.choices:
+        raise ValueError(f"exercise {name!r} has no choices to show")
+    return Question(ex)
+
+
+class LibraryAnswer(Exception):
+    """Raised when a build's answer calls the library's own implementation of that build."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@contextlib.contextmanager
+def forbid(*functions: Callable):
+    """Inside the block, calling any of ``functions`` raises :class:`LibraryAnswer`.
+
+    A build's checker wraps the call of the student's code with it, so that a wrapper
+    around llmlab's own implementation of the piece fails with a message saying so.
+    Each function's code object is swapped, so a name the student imported earlier
+    (``from llmlab.attention import flash_attention``) is caught too; the checker's own
+    reference must be computed outside the block.
+    """
+    saved = []
+    try:
+        for fn in functions:
+            fn = getattr(fn, "__func__", fn)
+            what = f"`{fn.__module__}.{fn.__qualname__}`"
+
+            names = fn.__code__.co_freevars
+            # the swapped code runs with fn's globals and closure: it names nothing but a
+            # builtin and a literal, and loads as many free variables as fn has cells
+            src = ("def outer():\n" + "".join(f"    {n} = None\n" for n in names)
+                   + "    def inner(*args, **kwargs):\n"
+                   + "".join(f"        {n}\n" for n in names)
+                   + "        raise __import__('llmlab.exercises', fromlist=['LibraryAnswer'])"
+                   + f".LibraryAnswer({what!r})\n    return inner\n")
+            scope: dict = {}
+            exec(src, scope)
+            saved.append((fn, fn.__code__))
+            fn.__code__ = scope["outer"]().__code__
+        yield
+    finally:
+        for fn, code in saved:
+            fn.__code__ = code
 
 
 # ---- helpers for checkers ------------------------------------------------------------------
