@@ -3,6 +3,10 @@
 - ``nb02.kv_cache`` (build): the cache's ``append``, ``attend`` and ``advance``, written in a
   subclass of :class:`KVCacheBase` (which holds the storage and hands out positions);
   ``llmlab.generate`` runs SmolLM2 with it and must give the tokens of ``kv_cache="none"``.
+- ``nb02.decode_loop`` (build): the generation loop around that cache: the prompt in one
+  forward (prefill), then one forward per new token (decode), greedy; the tokens must equal
+  ``llmlab.generate``'s, every step's logits a no-cache forward's, and the model must be fed
+  one token per decode step at the right position (llmlab's own loops raise during the check).
 - ``nb02.kv_bytes_7b``, ``nb02.compute_bound_batch`` (compute): cache size and the roofline.
 - ``nb02.predict_batch_decode`` (predict): how much longer a decode step takes at batch 16.
 - ``nb02.explain_decode_intensity`` (explain): why a decode step sits at ≈ 0.5 FLOP/byte.
@@ -136,6 +140,39 @@ class _AttendsNewOnly(_SolutionKVCache):
 class _ForgetsAdvance(_SolutionKVCache):
     def advance(self):
         self.pending = 0
+
+
+class _WrapsLibraryCache(KVCacheBase):
+    """Hands every call to llmlab's own contiguous cache."""
+
+    def __init__(self, num_layers, batch, num_kv_heads, head_dim, max_len, dtype=torch.float32,
+                 device="cpu"):
+        from ..cache import ContiguousKVCache
+
+        super().__init__(num_layers, batch, num_kv_heads, head_dim, max_len, dtype, device)
+        self.lib = ContiguousKVCache(num_layers, batch, num_kv_heads, head_dim, max_len,
+                                     dtype=dtype, device=device)
+        self.k, self.v = self.lib.k, self.lib.v
+
+    def begin(self, num_new, attention_mask=None):
+        return self.lib.begin(num_new, attention_mask)
+
+    def attend(self, layer_idx, q, k, v, backend):
+        return self.lib.attend(layer_idx, q, k, v, backend)
+
+    def advance(self):
+        self.lib.advance()
+        self.length = self.lib.length
+
+
+def _library_caches() -> tuple:
+    """llmlab's own caches' store-and-attend: what the kv_cache build writes."""
+    from ..cache.contiguous import ContiguousKVCache
+    from ..cache.paged import PagedKVCache
+    from ..cache.static import StaticKVCache
+
+    return (ContiguousKVCache.attend, ContiguousKVCache._store, ContiguousKVCache._read,
+            StaticKVCache.attend, PagedKVCache.attend)
 
 
 # ---- the checker --------------------------------------------------------------------------------
@@ -277,26 +314,31 @@ WINDOW = 6
           solution=_SolutionKVCache,
           wrong_variants={"append overwrites slot 0": (_OverwritesSlotZero, ("slot 0",)),
                           "attends only to the new token": (_AttendsNewOnly, ("only the new",)),
-                          "forgets to advance length": (_ForgetsAdvance, ("advance", "length"))})
+                          "forgets to advance length": (_ForgetsAdvance, ("advance", "length")),
+                          "wraps llmlab's cache": (_WrapsLibraryCache, ("llmlab's own",))})
 def _check_kv_cache(cls, **_) -> Verdict:
+    from . import forbid
+    from .nb01 import smollm2
+
     if not isinstance(cls, type):
         return wrong(f"expected your cache class (e.g. MyKVCache), got {type(cls).__name__}.",
                      "pass the class itself, not an instance: exercises.check(..., MyKVCache).")
-    verdict = _check_small(cls)
-    if verdict is not None:
-        return verdict
-    from .nb01 import smollm2
-
     _, tok = smollm2()
     prompt = tok(PROMPT)["input_ids"]
-    verdict, gens, fed = _check_generation(cls, [prompt], NEW_TOKENS)
+    _reference_tokens((tuple(prompt),), NEW_TOKENS)       # before llmlab's caches are off
+    with forbid(*_library_caches()):
+        verdict = _check_small(cls)
+        if verdict is not None:
+            return verdict
+        verdict, gens, fed = _check_generation(cls, [prompt], NEW_TOKENS)
     if verdict is not None:
         return verdict
     # What the model computed per step (counted at its first layer), and how long a step took
     # early and late in the generation (medians of WINDOW steps each).
     early, late, ratio = _step_ratio(gens[0].token_times_s, WINDOW)
     if ratio > 4:      # a loaded machine can spike; measure once more before saying "grows"
-        gens, fed = _generate_with(cls, [prompt], NEW_TOKENS)
+        with forbid(*_library_caches()):
+            gens, fed = _generate_with(cls, [prompt], NEW_TOKENS)
         early, late, ratio = _step_ratio(gens[0].token_times_s, WINDOW)
         if ratio > 4:
             return wrong(f"the tokens are right, but a decode step takes {late * 1e3:.0f} ms "
@@ -314,6 +356,276 @@ def _check_kv_cache(cls, **_) -> Verdict:
                  f"took {early * 1e3:.0f} ms (median) with {p + 1}–{p + WINDOW} tokens in the "
                  f"sequence and {late * 1e3:.0f} ms with {p + NEW_TOKENS - WINDOW}–"
                  f"{p + NEW_TOKENS - 1}: {ratio:.2f}× ({trend}).")
+
+
+# ---- build: the generation loop around the cache -------------------------------------------------
+
+def _solution_decode_loop(model, prompt_ids, max_new_tokens, cache_cls):
+    """Greedy generation with a KV cache: the prompt once, then one new token per step."""
+    device = model.device
+    cache = cache_cls.for_model(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    positions = cache.begin(ids.shape[1])                 # prefill: every prompt token, once
+    logits = model(ids, positions=positions, cache=cache, last_only=True)
+    cache.advance()
+    new_tokens = []
+    while True:
+        token = int(logits[0, -1].argmax())
+        new_tokens.append(token)
+        if len(new_tokens) == max_new_tokens:
+            return new_tokens
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)   # decode: the newest only
+        positions = cache.begin(1)
+        logits = model(ids, positions=positions, cache=cache, last_only=True)
+        cache.advance()
+
+
+def _loop_refeeds_everything(model, prompt_ids, max_new_tokens, cache_cls):
+    """No cache at all: every step runs the model over prompt + everything generated."""
+    tokens = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([tokens], device=model.device), last_only=True)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt_ids):]
+
+
+def _loop_fresh_cache_each_step(model, prompt_ids, max_new_tokens, cache_cls):
+    """A cache, but a new one every step, filled from scratch: the same as no cache."""
+    tokens = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        cache = cache_cls.for_model(model, batch=1, max_len=len(tokens))
+        positions = cache.begin(len(tokens))
+        logits = model(torch.tensor([tokens], device=model.device), positions=positions,
+                       cache=cache, last_only=True)
+        cache.advance()
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt_ids):]
+
+
+def _loop_off_by_one(model, prompt_ids, max_new_tokens, cache_cls):
+    """Counts its own positions, one too far: the first new token goes to len(prompt) + 1."""
+    n = len(prompt_ids)
+    cache = cache_cls.for_model(model, batch=1, max_len=n + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids], device=model.device),
+                   positions=cache.begin(n), cache=cache, last_only=True)
+    cache.advance()
+    new_tokens = []
+    for step in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        new_tokens.append(token)
+        cache.begin(1)
+        positions = torch.tensor([[n + step + 1]], device=model.device)
+        logits = model(torch.tensor([[token]], device=model.device), positions=positions,
+                       cache=cache, last_only=True)
+        cache.advance()
+    return new_tokens
+
+
+def _loop_feeds_last_prompt_token(model, prompt_ids, max_new_tokens, cache_cls):
+    """Forgets to append: every decode step feeds the prompt's last token again."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    cache = cache_cls.for_model(model, batch=1, max_len=ids.shape[1] + max_new_tokens)
+    logits = model(ids, positions=cache.begin(ids.shape[1]), cache=cache, last_only=True)
+    cache.advance()
+    new_tokens = []
+    for _ in range(max_new_tokens):
+        new_tokens.append(int(logits[0, -1].argmax()))
+        logits = model(ids[:, -1:], positions=cache.begin(1), cache=cache, last_only=True)
+        cache.advance()
+    return new_tokens
+
+
+def _loop_prompt_token_by_token(model, prompt_ids, max_new_tokens, cache_cls):
+    """Feeds the prompt one token per forward, as if it were being generated."""
+    cache = cache_cls.for_model(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
+    new_tokens, fed = [], list(prompt_ids)
+    while len(new_tokens) < max_new_tokens:
+        token = fed.pop(0) if fed else new_tokens[-1]
+        logits = model(torch.tensor([[token]], device=model.device), positions=cache.begin(1),
+                       cache=cache, last_only=True)
+        cache.advance()
+        if not fed:
+            new_tokens.append(int(logits[0, -1].argmax()))
+    return new_tokens
+
+
+def _loop_wraps_library(model, prompt_ids, max_new_tokens, cache_cls):
+    from ..generate import generate_token_ids
+
+    return generate_token_ids(model, [list(prompt_ids)], max_new_tokens, ignore_eos=True,
+                              kv_cache="contiguous")[0].token_ids
+
+
+def _library_decode_loops() -> tuple:
+    """llmlab's own generation loops and their per-cache feeders: what the build writes."""
+    import importlib
+    import inspect
+
+    G = importlib.import_module("llmlab.generate")    # the module (llmlab.generate is the function)
+    from ..engine.llm import LLM, LLMEngine
+    from ..speculative import speculative_token_ids
+
+    fns = [G.generate, G.generate_token_ids, G.generate_paged, speculative_token_ids,
+           LLM.generate, LLMEngine.step]
+    fns += [inspect.unwrap(f) for f in fns if inspect.unwrap(f) is not f]
+    for cls in (G.RecomputeBatch, G.ContiguousBatch, G.PagedBatch):
+        fns += [cls.prefill, cls.decode]
+    return tuple(fns)
+
+
+class _Fed:
+    """What the model was fed, forward by forward (hooks on the embedding, the first layer
+    and the vocabulary projection, so model(...) and model.step(...) are both seen)."""
+
+    def __init__(self, model):
+        self.ids, self.positions, self.cached, self.logits = [], [], [], []
+        self.hooks = [
+            model.embed_tokens.register_forward_pre_hook(
+                lambda mod, args: self.ids.append(args[0].detach().cpu().clone())),
+            model.layers[0].register_forward_pre_hook(self._layer),
+            model.lm_head.register_forward_hook(
+                lambda mod, args, out: self.logits.append(
+                    out.detach().reshape(-1, out.shape[-1])[-1].float().cpu()))]
+
+    def _layer(self, mod, args):
+        self.positions.append(args[1].detach().cpu().clone())
+        self.cached.append(len(args) > 2 and args[2] is not None)
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+
+
+DECODE_TOKENS = NEW_TOKENS     # the kv_cache check's reference serves this one too
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_logits(prompt: tuple[int, ...], tokens: tuple[int, ...]) -> torch.Tensor:
+    """Logits [len(tokens), vocab] that predicted each token, from one no-cache forward."""
+    from .nb01 import smollm2
+
+    model, _ = smollm2()
+    model.set_attention("sdpa")
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=model.device)
+            logits = model(ids)[0, len(prompt) - 1:].float().cpu()
+    finally:
+        model.set_attention("naive")
+    return logits
+
+
+@exercise("nb02.decode_loop", notebook=NOTEBOOK, kind="build",
+          title="decode_loop: prefill the prompt once, then one token per step through your "
+                "cache; greedy tokens equal llmlab.generate's",
+          solution=_solution_decode_loop,
+          wrong_variants={
+              "re-feeds the whole sequence each step": (_loop_refeeds_everything,
+                                                         ("whole sequence",)),
+              "a fresh cache every step": (_loop_fresh_cache_each_step, ("whole sequence",)),
+              "positions off by one": (_loop_off_by_one, ("position",)),
+              "forgets to append the new token": (_loop_feeds_last_prompt_token, ("newest",)),
+              "prompt fed token by token": (_loop_prompt_token_by_token, ("prefill",)),
+              "wraps llmlab's generate": (_loop_wraps_library, ("llmlab's own",))})
+def _check_decode_loop(fn, cache_cls=None, **_) -> Verdict:
+    from . import forbid
+    from .nb01 import smollm2
+
+    if not callable(fn):
+        return wrong(f"expected your function decode_loop, got {type(fn).__name__}.",
+                     "pass the function itself: exercises.check(\"nb02.decode_loop\", "
+                     "decode_loop, cache_cls=MyKVCache).")
+    if cache_cls is None:
+        cache_cls = _SolutionKVCache
+    elif not isinstance(cache_cls, type) or not hasattr(cache_cls, "for_model"):
+        return wrong(f"cache_cls should be your cache class (e.g. MyKVCache), got "
+                     f"{cache_cls!r}.", "pass the class itself: cache_cls=MyKVCache.")
+    elif issubclass(cache_cls, KVCacheBase):
+        problem = _check_small(cache_cls)
+        if problem is not None:
+            return wrong(f"your cache fails before the loop runs: {problem.message} Finish "
+                         "MyKVCache first (its check is above), or check the loop with llmlab's "
+                         "cache: cache_cls=llmlab.cache.ContiguousKVCache.")
+    model, tok = smollm2()
+    prompt = tok(PROMPT)["input_ids"]
+    p, n = len(prompt), DECODE_TOKENS
+    (want,), _ = _reference_tokens((tuple(prompt),), n)    # llmlab.generate, no cache
+    ref_logits = _reference_logits(tuple(prompt), tuple(want))
+    library = _library_decode_loops()
+    model.set_attention("sdpa")
+    fed = _Fed(model)
+    try:
+        with torch.inference_mode(), forbid(*library):
+            got = fn(model, list(prompt), n, cache_cls)
+    finally:
+        fed.remove()
+        model.set_attention("naive")
+    if isinstance(got, torch.Tensor):
+        got = got.flatten().tolist()
+    if not isinstance(got, (list, tuple)) or not all(isinstance(t, int) for t in got):
+        return wrong(f"decode_loop should return a list of {n} token ids (ints), got "
+                     f"{type(got).__name__}.", "collect int(logits[0, -1].argmax()) per step.")
+    calls = len(fed.ids)
+    sizes = [int(ids.shape[-1]) for ids in fed.ids]
+    if calls == 0:
+        return wrong("your loop never ran the model.", "call model(ids, positions=..., "
+                     "cache=..., last_only=True).")
+    if not fed.cached[0]:
+        return wrong(f"your loop runs the model without a cache: each step feeds the whole "
+                     f"sequence ({sizes[0]}, {sizes[1] if calls > 1 else '…'}, … tokens), so "
+                     f"it computes {sum(sizes)} token positions for {n} tokens.",
+                     "make one cache with cache_cls.for_model(model, batch=1, max_len=...) and "
+                     "pass it to every forward.")
+    if sizes[0] != p:
+        if sizes[0] == 1 and calls >= p:
+            return wrong(f"your loop feeds the {p}-token prompt one token per forward ({calls} "
+                         "forwards in all): the prefill should take the whole prompt in one "
+                         "forward, which is what makes the prompt cheap.",
+                         "first forward: all prompt ids, positions = cache.begin(len(prompt)).")
+        return wrong(f"the first forward fed {sizes[0]} tokens; the prefill feeds the whole "
+                     f"{p}-token prompt at once.", "positions = cache.begin(len(prompt_ids)).")
+    for step, (size, ids) in enumerate(zip(sizes[1:], fed.ids[1:]), start=1):
+        if size > 1:
+            return wrong(f"decode step {step} fed {size} tokens to the model: your loop "
+                         f"re-feeds the whole sequence each step ({sum(sizes)} token positions "
+                         f"in all, against {p + calls - 1} with one token per step). The cache "
+                         "already holds the keys and values of every token before.",
+                         "after the prefill, feed only the newest token, ids of shape [1, 1].")
+    if calls < n:
+        return wrong(f"your loop ran the model {calls} times for {n} tokens.",
+                     f"one prefill, then one forward per new token: {n - 1} decode steps "
+                     "(the last token needs none).")
+    for step in range(1, min(calls, len(got) + 1)):
+        pos = int(fed.positions[step].flatten()[-1])
+        if pos != p + step - 1:
+            return wrong(f"decode step {step} fed its token at position {pos}; it is token "
+                         f"{p + step - 1} of the sequence (the {p}-token prompt holds positions "
+                         f"0…{p - 1}), so its position is {p + step - 1}. A wrong position "
+                         "rotates its query and key by the wrong angle.",
+                         "use the positions cache.begin(1) returns.")
+        token = int(fed.ids[step].flatten()[-1])
+        if step <= len(got) and token != got[step - 1]:
+            return wrong(f"decode step {step} fed token {token}, but the token your loop chose "
+                         f"the step before is {got[step - 1]}: feed the newest token, the one "
+                         "just generated.", "ids = torch.tensor([[token]]) with the token "
+                         "you just appended.")
+    if calls > n + 1:
+        return wrong(f"your loop ran the model {calls} times for {n} tokens.",
+                     "stop once max_new_tokens tokens are generated.")
+    diff = first_token_difference(got, want)
+    if diff:
+        return wrong(f"your greedy tokens differ from llmlab.generate's: {diff}",
+                     "take the argmax of the last position's logits each step.")
+    err = float((torch.stack(fed.logits[:n]) - ref_logits).abs().max())
+    if err > 1e-3:
+        return wrong(f"the tokens match, but the logits differ from a no-cache forward by "
+                     f"up to {err:.2g}.", "check the positions and the cache.")
+    no_cache = sum(p + t for t in range(n))
+    return right(f"{n} greedy tokens identical to llmlab.generate (no cache); the logits of "
+                 f"every step match a no-cache forward within {err:.1e}. The model computed "
+                 f"{sum(sizes)} token positions ({p} for the prompt, then one per step) where "
+                 f"re-running the whole sequence computes {no_cache} "
+                 f"({no_cache / sum(sizes):.1f}× more).")
 
 
 # ---- compute: bytes and the roofline -----------------------------------------------------------
@@ -403,15 +715,15 @@ def _measured_batch_ratio() -> float:
 
 
 _BATCH_CHOICES = {
-    "a": "About 16× longer: each of the 16 sequences needs its own arithmetic",
-    "b": "Between 5× and 10× longer",
-    "c": "Less than 5× longer",
+    "a": "about 16× longer: each of the 16 sequences needs its own arithmetic",
+    "b": "between 5× and 10× longer",
+    "c": "less than 5× longer",
 }
 
 
 @exercise("nb02.predict_batch_decode", notebook=NOTEBOOK, kind="predict",
           title="predict: a decode step for 16 sequences against 1 (128 cached tokens)",
-          solution="c",
+          solution="c", choices=_BATCH_CHOICES,
           wrong_variants={"16x": ("a", ("measured", "weights")),
                           "5-10x": ("b", ("measured",))})
 def _check_predict_batch_decode(answer, measured: float | None = None, **_) -> Verdict:
@@ -435,25 +747,32 @@ def _check_predict_batch_decode(answer, measured: float | None = None, **_) -> V
 # ---- explain: the intensity of a decode step -----------------------------------------------------
 
 _INTENSITY_CHOICES = {
-    "a": "At 128 cached tokens the KV cache of SmolLM2 is 128 × 46 KB ≈ 6 MB, about 1% of "
-         "the 540 MB of float32 weights; the weights dominate the bytes.",
-    "b": "A [1, 576] × [576, 1536] product reads each 4-byte weight once and does one "
+    "a": "Each 4-byte weight is read once per step and used for one multiply and one add.",
+    "b": "The KV cache it reads outweighs the weights, and each cached value is used once.",
+    "c": "Softmax and the other elementwise operations move most of the step's bytes.",
+    "d": "This CPU's memory is slow, so any computation on it sits near 0.5 FLOP/byte.",
+}
+
+_INTENSITY_WHY = {
+    "a": "A [1, 576] × [576, 1536] product reads each 4-byte weight once and does one "
          "multiply and one add with it, 2 FLOPs per 4 bytes = 0.5 FLOP/byte, whatever the "
          "matrix. Prefill reuses each weight for every prompt token, hence its high intensity.",
-    "c": "Softmax and the other elementwise operations are a tiny share of the FLOPs; the "
-         "matrix products set the intensity.",
-    "d": "The intensity is a property of the computation (FLOPs over bytes), not of the "
+    "b": "at 128 cached tokens the KV cache of SmolLM2 is 128 × 46 KB ≈ 6 MB, about 1% of "
+         "the 540 MB of float32 weights; the weights dominate the bytes.",
+    "c": "softmax and the other elementwise operations are a tiny share of the FLOPs and of "
+         "the bytes; the matrix products set the intensity.",
+    "d": "the intensity is a property of the computation (FLOPs over bytes), not of the "
          "machine; the machine decides only where the ridge point lies.",
 }
 
 
 @exercise("nb02.explain_decode_intensity", notebook=NOTEBOOK, kind="explain",
           title="explain: why does a batch-1 decode step sit at ≈ 0.5 FLOP/byte in float32?",
-          solution="b",
-          wrong_variants={"KV cache dominates": ("a", ("weights dominate",)),
+          solution="a", choices=_INTENSITY_CHOICES,
+          wrong_variants={"KV cache dominates": ("b", ("weights dominate",)),
                           "machine property": ("d", ("property of the computation",))})
 def _check_explain_decode_intensity(answer, **_) -> Verdict:
-    return choice_verdict(answer, "b", _INTENSITY_CHOICES)
+    return choice_verdict(answer, "a", _INTENSITY_WHY)
 
 
 # ---- stretch: a cache for left-padded batches ----------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 
 import llmlab
 from llmlab import exercises
-from llmlab.cache import ContiguousKVCache, kv_bytes_per_token, kv_cache_bytes
+from llmlab.cache import kv_bytes_per_token, kv_cache_bytes
 from llmlab.config import ModelConfig
 from llmlab.device import device_name
 
@@ -142,25 +142,55 @@ else:
 # out = backend.forward(qg, k_cache, v_cache, causal=False)    # each KV head read once, not 3 times
 # ```
 #
-# A whole generation is then one prefill and a loop of decode steps
-# (`llmlab.generate(..., kv_cache="contiguous")` does exactly this):
+# ## Build: the loop that makes the cache pay
+#
+# A cache saves nothing by itself: the generation loop decides what the model is fed. Write
+# `decode_loop(model, prompt_ids, max_new_tokens, cache_cls)`, greedy generation with **one** cache
+# of class `cache_cls` (your `MyKVCache`). The prompt goes through the model once, in one forward
+# (the **prefill**); every later forward feeds the model only what the cache does not hold yet (a
+# **decode** step). Greedy: each new token is the argmax of the last position's logits. Generate
+# exactly `max_new_tokens` tokens; the end-of-sequence token does not stop the loop.
+#
+# What you have: `cache_cls.for_model(model, batch, max_len)` makes an empty cache with room for
+# `max_len` tokens; the three calls of the How section go around every forward; and
+# `model(ids, positions=positions, cache=cache, last_only=True)` takes `ids` `[1, n]`
+# (`torch.long`, on `model.device`) and returns logits `[1, 1, vocab]` for the last of its `n`
+# tokens. Return the new token ids as a list of ints.
+#
+# The check runs your loop on SmolLM2 and watches every forward: how many tokens it is fed, at
+# which positions, and which token. The tokens must be those of `llmlab.generate` and every
+# step's logits those of a no-cache forward; llmlab's own generation loops are switched off
+# while it runs.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-ids = torch.tensor([tok("The capital of France is")["input_ids"]])
-cache = ContiguousKVCache.for_model(model, batch=1, max_len=ids.shape[1] + 8)
-with torch.inference_mode():
-    positions = cache.begin(ids.shape[1])                                   # prefill
-    logits = model(ids, positions=positions, cache=cache, last_only=True)
-    cache.advance()
-    new = []
-    for _ in range(8):                                                      # decode
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        new.append(int(nxt))
-        positions = cache.begin(1)
-        logits = model(nxt, positions=positions, cache=cache, last_only=True)
-        cache.advance()
-print(repr(tok.decode(new)), "| cache:", cache.length, "slots used of", cache.max_len)
+def decode_loop(model, prompt_ids, max_new_tokens, cache_cls):
+    """Greedy generation with a KV cache.
+
+    prompt_ids: list of ints. Returns the max_new_tokens new token ids (a list of ints).
+    """
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+loop_verdict = exercises.check("nb02.decode_loop", decode_loop, cache_cls=MyKVCache)
+loop_verdict
+
+# %% [markdown]
+# With both builds done, your loop and your cache generate text on their own:
+
+# %%
+if loop_verdict:
+    with torch.inference_mode():
+        new = decode_loop(model, tok("The capital of France is")["input_ids"], 12, MyKVCache)
+    print(repr(tok.decode(new)))
+else:
+    print("finish decode_loop above first; this cell then generates with it")
+
+# %% [markdown]
+# **Compare with llmlab's.** `llmlab.generate(..., kv_cache="contiguous")` runs this loop for a
+# batch of prompts (`generate_token_ids` in `llmlab/generate.py`): it samples instead of taking the
+# argmax when asked, stops a row at its end-of-sequence token, and keeps the rows that are still
+# going in the batch.
 
 # %% [markdown]
 # ## Check: same logits, same tokens
@@ -171,6 +201,7 @@ print(repr(tok.decode(new)), "| cache:", cache.length, "slots used of", cache.ma
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from llmlab.cache import ContiguousKVCache
 from llmlab.generate import encode_prompts, left_pad
 
 prompts = ["Name three primary colors.", "Write a short poem about the sea, please, with rhymes."]
@@ -311,12 +342,10 @@ print(f"modelled intensity, float32: prefill of 128 tokens {prefill_cost(cfg, 1,
       f" FLOP/byte; decode step, batch 1: {decode_cost(cfg, 1, 128).intensity:.2f} FLOP/byte")
 
 # %% [markdown]
-# **Explain.** Why does a batch-1 decode step sit at about 0.5 FLOP/byte in float32?
-#
-# - (a) the KV cache it reads dominates the bytes;
-# - (b) each 4-byte weight is read once and used for one multiply and one add;
-# - (c) softmax is expensive;
-# - (d) this machine's memory is slow.
+# **Explain.** The modelled decode step above sits near 0.5 FLOP/byte, the prefill far to the right.
+
+# %%
+exercises.ask("nb02.explain_decode_intensity")
 
 # %%
 answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
@@ -324,8 +353,10 @@ exercises.check("nb02.explain_decode_intensity", answer)
 
 # %% [markdown]
 # **Predict, then measure.** A decode step at batch 16 feeds 16 tokens instead of 1 (each with 128
-# cached tokens). Compared with batch 1, the step takes: (a) about 16× longer, (b) between 5× and
-# 10× longer, (c) less than 5× longer?
+# cached tokens). Compared with batch 1, how much longer does the step take?
+
+# %%
+exercises.ask("nb02.predict_batch_decode")
 
 # %%
 my_prediction = ...   # YOUR ANSWER: "a", "b" or "c"

@@ -42,6 +42,36 @@ class MyKVCache(KVCacheBase):
 exercises.check("nb02.kv_cache", MyKVCache)
 
 # %% [markdown]
+# ## Build: the decode loop
+#
+# One cache for the whole generation, sized for the prompt and every new token. The prompt goes in
+# one forward at positions 0…n−1; after that each forward feeds only the token just chosen, at the
+# position `begin(1)` hands out (n, n+1, …). The last token needs no forward: nothing reads its
+# logits.
+
+# %%
+def decode_loop(model, prompt_ids, max_new_tokens, cache_cls):
+    device = model.device
+    cache = cache_cls.for_model(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    positions = cache.begin(ids.shape[1])                 # prefill: every prompt token, once
+    logits = model(ids, positions=positions, cache=cache, last_only=True)
+    cache.advance()
+    new_tokens = []
+    while True:
+        token = int(logits[0, -1].argmax())
+        new_tokens.append(token)
+        if len(new_tokens) == max_new_tokens:
+            return new_tokens
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)   # decode: the newest only
+        positions = cache.begin(1)
+        logits = model(ids, positions=positions, cache=cache, last_only=True)
+        cache.advance()
+
+
+exercises.check("nb02.decode_loop", decode_loop, cache_cls=MyKVCache)
+
+# %% [markdown]
 # ## Explain and predict
 #
 # A `[1, 576] × [576, 1536]` product reads each 4-byte weight once for one multiply-add: 0.5
@@ -50,7 +80,7 @@ exercises.check("nb02.kv_cache", MyKVCache)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb02.explain_decode_intensity", "b")
+exercises.check("nb02.explain_decode_intensity", "a")
 
 # %%
 exercises.check("nb02.predict_batch_decode", "c")
