@@ -223,6 +223,29 @@ def test_explore_overhead_filters_and_scales():
         explore_overhead(points(), model, batch=4)
 
 
+def test_trace_ops_orders_the_calls_and_plot_trace_draws_them():
+    from llmlab.profiling import trace_ops
+    from llmlab.viz.overhead import plot_trace
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with torch.inference_mode():
+        trace = trace_ops(three_adds_one_matmul, a, b)
+    assert [o.name for o in trace] == ["aten::add", "aten::matmul", "aten::add", "aten::add"]
+    assert [o.matmul for o in trace] == [False, True, False, False]
+    assert trace[0].start_us == 0
+    starts = [o.start_us for o in trace]
+    assert starts == sorted(starts) and all(o.duration_us >= 0 for o in trace)
+    for prev, nxt in zip(trace, trace[1:]):            # top-level calls do not overlap
+        assert nxt.start_us >= prev.start_us + prev.duration_us - 1e-3
+    fig = plot_trace(trace)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["matmul (1)", "other op (3)"]
+    assert "4 operator calls" in ax.get_title()
+    assert len(plot_trace(trace, first=2).axes[0].collections[1].get_paths()) == 1
+    with pytest.raises(ValueError, match="empty"):
+        plot_trace([])
+
+
 # -- compiled and SmolLM2 (slow) ----------------------------------------------------------
 
 @pytest.mark.slow

@@ -135,6 +135,33 @@ def count_ops(fn: Callable, *args, **kwargs) -> OpCount:
     return _count(prof.events())
 
 
+@dataclass(frozen=True)
+class TracedOp:
+    """One top-level operator call of a traced run: name, start and duration (µs from the
+    run's first call), and whether it is matmul-like."""
+    name: str
+    start_us: float
+    duration_us: float
+    matmul: bool
+
+
+def trace_ops(fn: Callable, *args, **kwargs) -> list[TracedOp]:
+    """Run ``fn(*args, **kwargs)`` once under the profiler and return its top-level operator
+    calls in time order (what :func:`count_ops` counts), each with its start and duration.
+    The gaps between consecutive calls are time spent outside any operator: Python and the
+    way into the dispatcher."""
+    with _profiled() as prof:
+        fn(*args, **kwargs)
+        sync()
+    top = sorted((ev for ev in prof.events() if is_op(ev.name) and _op_parent(ev) is None),
+                 key=lambda ev: ev.time_range.start)
+    if not top:
+        return []
+    t0 = top[0].time_range.start
+    return [TracedOp(ev.name, ev.time_range.start - t0,
+                     ev.time_range.end - ev.time_range.start, is_matmul(ev.name)) for ev in top]
+
+
 def measure_op_overhead(calls: int = 2000, rounds: int = 7, warmup: int = 1,
                         inference: bool = True, device=None) -> float:
     """t_op: seconds one tiny eager operator costs on this machine.

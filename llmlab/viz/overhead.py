@@ -15,7 +15,7 @@ from dataclasses import replace
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..profiling.overhead import OverheadModel, OverheadPoint
+from ..profiling.overhead import OverheadModel, OverheadPoint, TracedOp
 
 
 def plot_overhead_roofline(points: list[OverheadPoint], model: OverheadModel, ax=None,
@@ -80,3 +80,28 @@ def explore_overhead(points: list[OverheadPoint], model: OverheadModel, batch: i
                          f"batches: {sorted({p.batch for p in points})}")
     scaled = replace(model, t_op=model.t_op * t_op_scale)
     return plot_overhead_roofline(chosen, scaled)
+
+
+def plot_trace(ops: list[TracedOp], first: int | None = None, ax=None, title: str | None = None):
+    """A timeline of traced operator calls (:func:`llmlab.profiling.overhead.trace_ops`):
+    one bar per call from its start to its end, matmuls in one colour and every other op in
+    another; the white gaps between bars are time outside any operator. ``first``: only
+    the first calls. Returns the Figure."""
+    if not ops:
+        raise ValueError("ops is empty: trace a step with llmlab.profiling.overhead.trace_ops")
+    shown = ops[:first] if first else ops
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 2.4), dpi=80)
+    else:
+        fig = ax.figure
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for kind, colour, label in ((True, colours[0], "matmul"), (False, colours[1], "other op")):
+        bars = [(o.start_us, max(o.duration_us, 0.3)) for o in shown if o.matmul == kind]
+        ax.broken_barh(bars, (0, 1), facecolors=colour, label=f"{label} ({len(bars)})")
+    end = shown[-1].start_us + shown[-1].duration_us
+    busy = sum(o.duration_us for o in shown)
+    ax.set(xlabel="µs since the first call", yticks=[], xlim=(0, end),
+           title=title or f"{len(shown)} operator calls: {busy:.0f} of {end:.0f} µs inside "
+                          "operators")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    return fig
