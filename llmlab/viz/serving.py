@@ -5,27 +5,22 @@
 * :func:`arrival_sweep` / :func:`plot_throughput_latency` — throughput against latency
   as requests arrive faster (arrival times from a trace, rescaled to a rate);
 * :func:`explore_batching` — the widget callback: serve a fixed set of requests with a
-  given ``max_num_seqs`` and KV block budget, and show seats, free blocks and preemptions;
-* :func:`dry_run` — the engine's scheduler and block manager serving a trace without the
-  model (every step "produces" a token), to count iterations, positions and preemptions
-  of a whole trace in milliseconds.
+  given ``max_num_seqs`` and KV block budget, and show seats, free blocks and preemptions.
+
+The scheduler dry run (``dry_run``, ``DryRun``, ``SchedulerStall``) lives beside the engine
+in :mod:`llmlab.engine.simulate`; the names are re-exported here for older imports.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import statistics
-from dataclasses import dataclass, field
-from typing import Callable
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..cache.block_manager import BlockManager
 from ..engine import LLM, EngineStats, SamplingParams
-from ..engine.llm import StepRecord
-from ..engine.scheduler import EMPTY, HELD, Scheduler, SchedulerConfig
-from ..engine.sequence import Request, Sequence, SequenceStatus
+from ..engine.scheduler import EMPTY, HELD
+from ..engine.simulate import DryRun, SchedulerStall, dry_run  # noqa: F401 (re-exported)
 
 
 def occupancy_grid(stats: EngineStats, width: int) -> np.ndarray:
@@ -88,103 +83,6 @@ def plot_step_times(stats_by_name: dict[str, EngineStats], title: str = ""):
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
-
-
-# -- the scheduler without the model ---------------------------------------------------------
-
-class SchedulerStall(RuntimeError):
-    """:func:`dry_run` found a step with nothing scheduled while requests were waiting."""
-
-
-@dataclass
-class DryRun:
-    """What :func:`dry_run` observed: the step log (the engine's own record type, so the
-    occupancy pictures work on it), and every request's generated-token count."""
-
-    stats: EngineStats
-    output_tokens: list[int]                 # per request, in input order
-    finished_order: list[int] = field(default_factory=list)   # request indices, as they ended
-    finished_twice: list[int] = field(default_factory=list)
-
-    @property
-    def iterations(self) -> int:
-        return len(self.stats.steps)
-
-
-def dry_run(prompt_lens: list[int], output_lens: list[int],
-            scheduler: str | Callable = "continuous", *, max_num_seqs: int = 8,
-            max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
-            block_size: int = 16, max_steps: int = 200_000) -> DryRun:
-    """Serve requests with the engine's scheduler and block manager, but no model.
-
-    Request i has a prompt of ``prompt_lens[i]`` tokens and generates ``output_lens[i]``
-    tokens (EOS ignored); all arrive at once. ``scheduler``: ``"static"``,
-    ``"continuous"`` or a one-step function ``schedule(scheduler, now) -> SchedulerOutput``
-    (see :class:`llmlab.engine.scheduler.Scheduler`). Each step does the engine's
-    bookkeeping without the forward pass: scheduled tokens count as computed, a sequence
-    whose tokens are all computed gets one new token, and one that has all its tokens
-    finishes. ``num_blocks`` defaults to enough for every request at once (no preemption).
-    Raises :class:`SchedulerStall` when a step schedules nothing while requests wait.
-    """
-    if len(prompt_lens) != len(output_lens) or not prompt_lens:
-        raise ValueError(f"prompt_lens ({len(prompt_lens)}) and output_lens "
-                         f"({len(output_lens)}) must be non-empty and of equal length")
-    if any(n < 1 for n in list(prompt_lens) + list(output_lens)):
-        raise ValueError("every prompt and output length must be >= 1")
-    schedule_fn = scheduler if callable(scheduler) else None
-    policy = "continuous" if schedule_fn is not None else scheduler
-    longest = max(p + o for p, o in zip(prompt_lens, output_lens))
-    if num_blocks is None:
-        num_blocks = sum(-(-(p + o) // block_size) for p, o in zip(prompt_lens, output_lens))
-    config = SchedulerConfig(policy, max_num_seqs, max_num_batched_tokens, longest + 1)
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    sched = Scheduler(config, bm, schedule_fn)
-
-    token = itertools.count(1000)
-    requests = []
-    for i, (p, o) in enumerate(zip(prompt_lens, output_lens)):
-        params = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-        req = Request(i, None, [next(token) for _ in range(p)], params, 0.0)
-        seq = Sequence(i, req, 0, list(req.prompt_token_ids))
-        req.seqs.append(seq)
-        requests.append(req)
-        sched.add(seq)
-    stats = EngineStats()
-    done: list[int] = []
-    twice: list[int] = []
-    for step in range(max_steps):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule(float("inf"))
-        seats = sched.occupancy(max_num_seqs)        # after scheduling, as the engine records
-        if out.is_empty:
-            raise SchedulerStall(f"step {step}: nothing was scheduled while "
-                                 f"{len(sched.waiting)} request(s) waited and "
-                                 f"{len(sched.running)} ran")
-        for s in out.scheduled:
-            s.seq.num_computed += s.num_new
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.num_computed != seq.num_tokens:
-                continue                      # a prompt chunk: no token yet
-            if seq.finished:
-                twice.append(seq.request.request_id)
-                continue
-            seq.output_token_ids.append(next(token))
-            if len(seq.output_token_ids) >= seq.request.params.max_tokens:
-                seq.status = SequenceStatus.FINISHED_LENGTH
-                sched.finish(seq)
-                done.append(seq.request.request_id)
-        stats.num_preemptions += len(out.preempted)
-        stats.steps.append(StepRecord(
-            step=step, start_s=0.0, end_s=0.0, num_seqs=len(out.scheduled),
-            prefill_tokens=sum(s.num_new for s in out.scheduled if s.prefill),
-            decode_tokens=sum(1 for s in out.scheduled if not s.prefill),
-            computed_tokens=out.num_padded_tokens, preempted=len(out.preempted),
-            free_blocks=bm.num_free_blocks, occupancy=seats))
-    else:
-        raise SchedulerStall(f"{max_steps} steps and requests are still unfinished")
-    return DryRun(stats, [len(r.seqs[0].output_token_ids) for r in requests], done, twice)
 
 
 # -- throughput against latency ----------------------------------------------------------
