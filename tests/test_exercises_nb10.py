@@ -1,6 +1,10 @@
 """Notebook 10's exercises against a real server: the SSE-parser checker passes the
-reference on a live stream and fails a parser that gets the live stream wrong; the
-server process helper starts, serves and stops cleanly."""
+reference on a live stream, fails a parser that gets the live stream wrong, and starts a
+server of its own when the given one was stopped; the server process helper starts, serves
+and stops cleanly. The engine-loop build: a coroutine loop plugged into the server
+(AsyncEngineLoop) serves what llmlab's own EngineLoop serves, aborts on a disconnect, and
+a loop that raises stops the server with the reason; the sweep's bootstrap intervals and
+figure."""
 import math
 
 import pytest
@@ -91,4 +95,157 @@ def test_sweep_and_gauge_figures_draw_one_line_per_scheduler():
                           "llmlab_kv_blocks_used": 2 * i}) for i in range(5)]
     fig = plot_gauges(samples)
     assert [float(y) for y in fig.axes[1].get_lines()[0].get_ydata()] == [0, 2, 4, 6, 8]
+    plt.close(fig)
+
+
+# -- the engine-loop build: AsyncEngineLoop, the checker's server, on the tiny model ----------
+
+def _tiny_llm(seats=4):
+    import llmlab
+    from llmlab.engine import LLM
+
+    return LLM(llmlab.load_model("tiny-llama", attention="sdpa"),
+               llmlab.load_tokenizer("tiny-llama"), max_num_seqs=seats, block_size=4,
+               max_model_len=256)
+
+
+def _stream_text(url, prompt, max_tokens, stop_after=None):
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text, n = "", 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            text, n = text + chunk.choices[0].text, n + 1
+            if stop_after is not None and n >= stop_after:
+                stream.close()
+                break
+    return text
+
+
+def _serve_all(engine_loop, prompts):
+    """Texts of ``prompts`` streamed concurrently from a server whose engine loop is
+    ``engine_loop`` (None: llmlab's EngineLoop thread); and the LLM after the run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmlab.serve import create_app
+    from llmlab.serve.process import ThreadServer
+
+    llm = _tiny_llm()
+    with ThreadServer(create_app(llm, "tiny-llama", engine_loop=engine_loop)) as srv:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: _stream_text(srv.base_url, p, 12), prompts))
+    return texts, llm
+
+
+def test_the_reference_engine_loop_serves_what_llmlabs_own_loop_serves():
+    from llmlab.exercises.nb10 import engine_loop
+
+    prompts = [f"Request number {i} says" for i in range(10)]       # more than the 4 seats
+    mine, llm = _serve_all(engine_loop, prompts)
+    theirs, _ = _serve_all(None, prompts)
+    assert mine == theirs and all(len(t) > 0 for t in mine)
+    assert not llm.engine.has_unfinished() and llm.engine.cache.manager.num_used_blocks == 0
+    assert llm.served_by is None                     # the server's end released the LLM
+
+
+def test_a_disconnect_reaches_the_coroutine_loop_as_an_abort():
+    import time
+
+    from llmlab.exercises.nb10 import engine_loop
+    from llmlab.serve import create_app
+    from llmlab.serve.process import ThreadServer
+
+    llm = _tiny_llm()
+    with ThreadServer(create_app(llm, "tiny-llama", engine_loop=engine_loop)) as srv:
+        _stream_text(srv.base_url, "Once upon a time", 200, stop_after=2)
+        deadline = time.monotonic() + 20
+        while llm.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not llm.engine.has_unfinished()
+        assert llm.engine.cache.manager.num_used_blocks == 0
+        assert llm.engine.stats.num_preemptions == 0
+
+
+def test_a_loop_that_raises_stops_the_server_and_says_why():
+    import httpx
+
+    from llmlab.serve import create_app
+    from llmlab.serve.process import ThreadServer
+
+    async def broken(engine, inbox):
+        await inbox.get()
+        raise ValueError("the loop's own bug")
+
+    llm = _tiny_llm()
+    app = create_app(llm, "tiny-llama", engine_loop=broken)
+    app.state.server.loop.log_errors = False
+    with ThreadServer(app) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions",
+                       json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code in (500, 503) and "the loop's own bug" in r.text
+        health = httpx.get(srv.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and "the loop's own bug" in health.text
+        again = httpx.post(srv.base_url + "/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert again.status_code == 503
+    assert isinstance(app.state.server.loop.exception, ValueError)
+    assert llm.served_by is None
+
+
+def test_a_loop_that_is_not_a_coroutine_function_is_refused():
+    from llmlab.serve import create_app
+
+    with pytest.raises(TypeError, match="coroutine function"):
+        create_app(_tiny_llm(), "tiny-llama", engine_loop=lambda engine, inbox: None)
+    v = exercises.check("nb10.engine_loop", lambda engine, inbox: None)
+    assert not v.passed and "async def" in v.message
+
+
+def test_parse_sse_checker_starts_a_server_when_the_given_one_is_stopped():
+    from llmlab.serve.process import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"                  # nothing listens there
+    v = exercises.check("nb10.parse_sse", parse_sse, base_url=dead, model="tiny-llama")
+    assert v.passed and "was stopped" in v.message, v.message
+    v = exercises.check("nb10.parse_sse", _stops_at_finish_reason, base_url=dead,
+                        model="tiny-llama")
+    assert not v.passed and "non-streamed answer" in v.message, v.message
+
+
+def test_percentile_interval_covers_the_true_p90_and_narrows_with_more_samples():
+    import random
+
+    from llmlab.serve.client import percentile_interval
+
+    true_p90 = math.log(10)                    # of Exp(1)
+    widths, covered = [], 0
+    for n in (20, 400):
+        for seed in range(20):
+            rng = random.Random(seed)
+            lo, hi = percentile_interval([rng.expovariate(1) for _ in range(n)], 90, n=400)
+            covered += lo <= true_p90 <= hi
+            widths.append((n, hi - lo))
+    assert covered >= 30                       # a 90% interval: about 36 of 40
+    mean = lambda n: sum(w for m, w in widths if m == n) / 20  # noqa: E731
+    assert mean(400) < mean(20) / 2
+    assert all(math.isnan(x) for x in percentile_interval([], 90))
+
+
+def test_sweep_figure_draws_intervals_and_goodput():
+    import matplotlib.pyplot as plt
+
+    rows = _rows()
+    for r in rows:
+        r["ttft_p90_lo"], r["ttft_p90_hi"] = 0.8 * r["ttft_p90_s"], 1.3 * r["ttft_p90_s"]
+        r["goodput_req_s"] = r["rate"] / 2
+    fig = plot_sweep(rows, 1.0)
+    assert len(fig.axes) == 3
+    labels = [ln.get_label() for ln in fig.axes[2].get_lines()]
+    assert labels[:2] == ["static", "continuous"] and "every request" in labels
+    assert [float(y) for y in fig.axes[2].get_lines()[0].get_ydata()] == [0.5, 1.0]
+    assert len(fig.axes[0].collections) >= 2   # one set of error bars per scheduler
     plt.close(fig)

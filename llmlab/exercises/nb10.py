@@ -1,8 +1,13 @@
 """The exercises of notebook 10 (serving over HTTP).
 
-- ``nb10.parse_sse`` (build): the client side of a streamed OpenAI response. Checked on
-  hand-made event streams that exercise the format's rules, then on the raw lines of a
-  real stream from the running server, whose text must equal the non-streamed answer.
+- ``nb10.parse_sse`` (build, warm-up): the client side of a streamed OpenAI response.
+  Checked on hand-made event streams that exercise the format's rules, then on the raw
+  lines of a real stream from a server, whose text must equal the non-streamed answer.
+- ``nb10.engine_loop`` (build): the server's engine loop, as a coroutine on the server's
+  event loop: requests from the HTTP handlers join the running batch between two steps,
+  each step's tokens go to their requests' streams, and a client that goes away has its
+  request aborted. Checked in a real server (uvicorn in a thread of this process) running
+  the student's loop on SmolLM2, with concurrent real ``openai`` clients.
 - ``nb10.predict_capacity`` (predict): the request rate the continuous server sustains.
 - ``nb10.explain_static_ttft`` (explain): why a static batch's TTFT explodes under load.
 - ``nb10.poisson_arrivals`` (build, stretch): the open-loop load generator's clock,
@@ -17,11 +22,18 @@ do not carry the payload.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import json
 import math
 import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from . import choice_verdict, exercise, right, wrong
+from . import forbid as exercises_forbid
 from ..serve.client import parse_sse, poisson_arrivals
 
 NB = "10_serving_over_http"
@@ -154,11 +166,397 @@ def _check_parse_sse(fn, base_url: str | None = None, model: str | None = None) 
     if base_url is None:
         return right(f"all {len(_cases())} hand-made streams parse. (Pass base_url= to also "
                      "check a real stream from the server.)")
-    bad = _server_text(fn, base_url, model or "smollm2-135m")
+    bad, note = _live_text(fn, base_url, model or "smollm2-135m")
     if bad:
-        return wrong(bad, "compare your parser's events with the raw lines (print them).")
+        return wrong(bad + note, "compare your parser's events with the raw lines (print them).")
     return right(f"all {len(_cases())} hand-made streams parse, and on the server's real stream "
-                 "your chunks add up to exactly the non-streamed greedy answer.")
+                 f"your chunks add up to exactly the non-streamed greedy answer.{note}")
+
+
+def _live_text(fn, base_url: str, model: str) -> tuple[str | None, str]:
+    """:func:`_server_text` on the server at ``base_url``; if nothing answers there (the
+    notebook stopped that server), on a server the check starts for itself. -> (problem
+    or None, a note saying which server it was)."""
+    import httpx
+
+    try:
+        httpx.get(base_url.rstrip("/") + "/health", timeout=5.0)
+    except httpx.TransportError:
+        from ..engine import LLM
+        from ..serve import create_app
+        from ..serve.process import ThreadServer
+
+        llm = LLM(*_loop_model(model), max_num_seqs=2, max_model_len=LOOP_CONTEXT)
+        with ThreadServer(create_app(llm, model)) as server:
+            problem = _server_text(fn, server.base_url, model)
+        return problem, (f" (Nothing answers at {base_url} any more, that server was stopped, "
+                         "so the check started a server of its own for the real stream.)")
+    return _server_text(fn, base_url, model), ""
+
+
+# ---- build: the engine loop ------------------------------------------------------------------
+
+async def engine_loop(engine, inbox):
+    """The reference: requests join between steps, tokens go to their streams, a client
+    that goes away is aborted, and each step runs off the event loop."""
+    live = {}                                        # request id -> its stream
+    while True:
+        commands = [] if engine.has_unfinished() else [await inbox.get()]   # idle: wait
+        while not inbox.empty():                     # between two steps: take all that came
+            commands.append(inbox.get_nowait())
+        for kind, stream in commands:
+            if kind == "add":
+                request = engine.add_request(stream.prompt_token_ids, stream.params,
+                                             stream.prompt)
+                if stream.accept(request):
+                    live[request.request_id] = stream
+            elif stream.request is not None and live.pop(stream.request.request_id, None):
+                engine.abort_request(stream.request.request_id)   # frees its seat and blocks
+                stream.finish(engine.output(stream.request))
+        if not engine.has_unfinished():
+            continue
+        produced = await asyncio.to_thread(engine.step)   # the event loop serves meanwhile
+        finished = {}
+        for seq, token_id in produced:
+            stream = live.get(seq.request.request_id)
+            if stream is not None:
+                stream.send(seq, token_id)
+                if seq.request.finished:
+                    finished[seq.request.request_id] = stream
+        for request_id, stream in finished.items():
+            del live[request_id]
+            stream.finish(engine.output(stream.request))
+
+
+async def _engine_loop_placeholder(engine, inbox):   # what the shipped notebook holds
+    raise NotImplementedError
+
+
+def _take(engine, live, kind, stream, aborts=True):
+    if kind == "add":
+        request = engine.add_request(stream.prompt_token_ids, stream.params, stream.prompt)
+        if stream.accept(request):
+            live[request.request_id] = stream
+    elif aborts and stream.request is not None and live.pop(stream.request.request_id, None):
+        engine.abort_request(stream.request.request_id)
+        stream.finish(engine.output(stream.request))
+
+
+def _route(engine, live, produced):
+    finished = {}
+    for seq, token_id in produced:
+        stream = live.get(seq.request.request_id)
+        if stream is not None:
+            stream.send(seq, token_id)
+            if seq.request.finished:
+                finished[seq.request.request_id] = stream
+    for request_id, stream in finished.items():
+        del live[request_id]
+        stream.finish(engine.output(stream.request))
+
+
+async def _admits_when_idle(engine, inbox):     # static batching: a batch runs to its end
+    live = {}
+    while True:
+        commands = [await inbox.get()]
+        while not inbox.empty():
+            commands.append(inbox.get_nowait())
+        for kind, stream in commands:
+            _take(engine, live, kind, stream)
+        while engine.has_unfinished():
+            _route(engine, live, await asyncio.to_thread(engine.step))
+
+
+async def _ignores_disconnects(engine, inbox):  # an abort is never acted on
+    live = {}
+    while True:
+        commands = [] if engine.has_unfinished() else [await inbox.get()]
+        while not inbox.empty():
+            commands.append(inbox.get_nowait())
+        for kind, stream in commands:
+            _take(engine, live, kind, stream, aborts=False)
+        if engine.has_unfinished():
+            _route(engine, live, await asyncio.to_thread(engine.step))
+
+
+async def _steps_on_the_event_loop(engine, inbox):   # engine.step() called in the coroutine
+    live = {}
+    while True:
+        commands = [] if engine.has_unfinished() else [await inbox.get()]
+        while not inbox.empty():
+            commands.append(inbox.get_nowait())
+        for kind, stream in commands:
+            _take(engine, live, kind, stream)
+        if engine.has_unfinished():
+            _route(engine, live, engine.step())
+            await asyncio.sleep(0)
+
+
+async def _wraps_llmlabs_loop(engine, inbox):   # forwards every request to llmlab's EngineLoop
+    from ..engine import LLM
+    from ..serve.loop import EngineLoop
+
+    own = EngineLoop(LLM(engine.model, engine.tokenizer))
+    own.start()
+
+    async def pipe(stream, theirs):
+        while True:
+            event = await theirs.events.get()
+            stream.post(event)
+            if event.kind in ("done", "rejected", "error"):
+                return
+
+    forwarded, pipes = {}, set()
+    while True:
+        kind, stream = await inbox.get()
+        if kind == "add":
+            forwarded[stream] = own.submit(stream.prompt_token_ids, stream.params, stream.prompt)
+            pipes.add(asyncio.ensure_future(pipe(stream, forwarded[stream])))
+        elif stream in forwarded:
+            own.abort(forwarded.pop(stream))
+
+
+LOOP_MODEL = "smollm2-135m"
+LOOP_SEATS = 4
+LOOP_CONTEXT = 1024          # tokens: a small KV pool, quick to allocate
+# (name, API, prompt, max_tokens, ignore_eos): A streams first and long; B, C (chat,
+# streamed) and D (not streamed) are sent once A's first token has arrived
+_LOOP_REQUESTS = (
+    ("A", "completion", "The history of the Roman Empire began", 40, True),
+    ("B", "chat", "What is the capital of France?", 16, False),
+    ("C", "chat", "Name three colors of the rainbow.", 16, False),
+    ("D", "completion-whole", "The three primary colors are", 12, False),
+)
+_DISCONNECT = ("E", "completion", "Once upon a time, in a small village,", 96, True)
+
+
+@functools.lru_cache(maxsize=1)
+def _loop_model(model: str):
+    import llmlab
+
+    return llmlab.load_model(model), llmlab.load_tokenizer(model)
+
+
+@functools.lru_cache(maxsize=1)
+def _loop_reference(model: str) -> dict[str, str]:
+    """Greedy text of each request, offline, from llmlab's LLM (what its own server says)."""
+    from ..engine import LLM, SamplingParams
+
+    llm = LLM(*_loop_model(model), max_num_seqs=LOOP_SEATS, max_model_len=LOOP_CONTEXT)
+    want = {}
+    for chat in (False, True):
+        reqs = [r for r in _LOOP_REQUESTS if (r[1] == "chat") == chat]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos)
+                  for _, _, _, n, ignore_eos in reqs]
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": r[2]}] for r in reqs], params,
+                            use_tqdm=False)
+        else:
+            outs = llm.generate([r[2] for r in reqs], params, use_tqdm=False)
+        want.update({r[0]: out.outputs[0].text for r, out in zip(reqs, outs)})
+    return want
+
+
+class _StepLog:
+    """Wraps ``engine.step`` (on the instance) to note each step: start, end, the requests
+    it ran, and the thread it ran on."""
+
+    def __init__(self, engine):
+        self.records: list[tuple[float, float, tuple, int]] = []
+        step = engine.step
+
+        def logged():
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.records.append((t0, time.perf_counter(), tuple(engine.step_request_ids),
+                                     threading.get_ident()))
+
+        engine.step = logged
+
+    def ids_after(self, t: float) -> list[int]:
+        return list(dict.fromkeys(i for t0, _, ids, _ in list(self.records) if t0 >= t
+                                  for i in ids))
+
+
+def _send(client, model, spec, times, stop_after=None):
+    """One request through the openai client; ``times`` gets each text chunk's arrival.
+    -> its text. ``stop_after``: close the stream after that many chunks (a client that
+    goes away)."""
+    name, api, prompt, n, ignore_eos = spec
+    extra = {"ignore_eos": True} if ignore_eos else None
+    if api == "chat":
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+            temperature=0, stream=True, extra_body=extra)
+        pick = lambda c: c.choices[0].delta.content if c.choices else None  # noqa: E731
+    elif api == "completion":
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                           temperature=0, stream=True, extra_body=extra)
+        pick = lambda c: c.choices[0].text if c.choices else None  # noqa: E731
+    else:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                        temperature=0, extra_body=extra)
+        times.append(time.perf_counter())
+        return out.choices[0].text
+    text = ""
+    for chunk in stream:
+        piece = pick(chunk)
+        if piece:
+            times.append(time.perf_counter())
+            text += piece
+            if stop_after is not None and len(times) >= stop_after:
+                stream.close()
+                break
+    return text
+
+
+def _engine_loop_problem(loop, server, steps, client, model, want):
+    """Run the requests against the server; -> a failing Verdict, or None."""
+    engine = loop.engine
+
+    def died():
+        if loop.exception is not None:       # the student's loop raised: say what it raised
+            raise loop.exception
+        if loop.death is not None:
+            return wrong(f"your engine loop ended ({loop.death}), so the server stopped "
+                         "serving.", "the loop must run for as long as the server does: "
+                         "`while True`, waiting on the inbox when the engine is idle.")
+        return None
+
+    times = {name: [] for name, *_ in _LOOP_REQUESTS}
+    specs = {spec[0]: spec for spec in _LOOP_REQUESTS}
+    with ThreadPoolExecutor(len(_LOOP_REQUESTS)) as pool:
+        futures = {"A": pool.submit(_send, client, model, specs["A"], times["A"])}
+        deadline = time.monotonic() + 60
+        while not times["A"] and not futures["A"].done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        t_join = time.perf_counter()
+        for name in ("B", "C", "D"):
+            futures[name] = pool.submit(_send, client, model, specs[name], times[name])
+            time.sleep(0.05)
+        got, errors = {}, {}
+        for name, fut in futures.items():
+            try:
+                got[name] = fut.result(timeout=120)
+            except Exception as e:           # the client's error: a status, a timeout
+                errors[name] = f"{type(e).__name__}: {e}"
+    bad = died()
+    if bad is not None:
+        return bad
+    if errors:
+        name, err = next(iter(errors.items()))
+        return wrong(f"request {name} failed: {err[:300]}",
+                     "each added request needs stream.accept(request), then stream.send(seq, "
+                     "token_id) for its tokens and stream.finish(engine.output(request)) "
+                     "once request.finished.")
+    loop_thread = server.thread.ident
+    on_loop = [t1 - t0 for t0, t1, _, th in steps.records if th == loop_thread]
+    if on_loop:
+        ms = 1e3 * sorted(on_loop)[len(on_loop) // 2]
+        return wrong(f"your loop ran engine.step() on the event loop's own thread ({len(on_loop)} "
+                     f"steps, median {ms:.0f} ms each): it blocks the event loop, and while a "
+                     "step runs no handler reads a request, sends a token or notices a "
+                     "disconnect.",
+                     "await the step in a worker thread: `await asyncio.to_thread(engine.step)`.")
+    for name, *_ in _LOOP_REQUESTS:
+        if got[name] != want[name]:
+            return wrong(f"request {name}'s text differs from llmlab's greedy answer: yours "
+                         f"{got[name]!r}, llmlab's {want[name]!r}.",
+                         "send each (seq, token_id) of a step to the stream of seq.request, "
+                         "once, and finish a stream only when its request is finished.")
+    first = steps.records[0][2] if steps.records else ()
+    a_id = first[0] if first else None
+    together = [ids for _, _, ids, _ in steps.records if a_id in ids and len(ids) > 1]
+    if not together:
+        a_end, b_first = times["A"][-1], (times["B"] or [math.inf])[0]
+        when = (f"{b_first - a_end:.2f} s after A's last token" if b_first >= a_end else
+                f"{a_end - b_first:.2f} s before A's last token")
+        return wrong(f"requests B, C and D arrived while A was generating but never shared a "
+                     f"step with it: B's first token came {b_first - t_join:.2f} s after it was "
+                     f"sent, {when}. Your loop admits new requests only when the engine is "
+                     "idle: that is static batching.",
+                     "take what the inbox holds before every step, not only when nothing runs.")
+    return _disconnect_problem(loop, steps, client, model, died)
+
+
+def _disconnect_problem(loop, steps, client, model, died):
+    engine = loop.engine
+    base_blocks = engine.cache.manager.num_used_blocks
+    before = set(steps.ids_after(-math.inf))
+    times: list[float] = []
+    try:
+        _send(client, model, _DISCONNECT, times, stop_after=2)
+    except Exception as e:
+        bad = died()
+        return bad or wrong(f"the request that goes away failed before it did: "
+                            f"{type(e).__name__}: {e}")
+    t_gone = time.perf_counter()
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    bad = died()
+    if bad is not None:
+        return bad
+    e_ids = [i for i in steps.ids_after(-math.inf) if i not in before]
+    e_id = e_ids[0] if e_ids else None
+    after = sum(1 for t0, _, ids, _ in list(steps.records) if t0 > t_gone + 0.05 and e_id in ids)
+    if after > 30 or engine.has_unfinished():
+        return wrong(f"client E read 2 tokens, then disconnected; its request still ran {after} "
+                     f"more steps (of {_DISCONNECT[3]} tokens asked), holding a seat and its KV "
+                     "blocks for nobody. Your loop ignores disconnects.",
+                     "on (\"abort\", stream): engine.abort_request(stream.request.request_id), "
+                     "then stream.finish(engine.output(stream.request)).")
+    blocks = engine.cache.manager.num_used_blocks
+    if blocks != base_blocks:
+        return wrong(f"after client E disconnected and every request ended, {blocks} KV blocks "
+                     f"are in use, {base_blocks} before: the aborted request's blocks were not "
+                     "freed.", "engine.abort_request(request_id) frees them.")
+    return None
+
+
+@exercise("nb10.engine_loop", notebook=NB, kind="build",
+          title="the server's engine loop: requests join between steps, a disconnect aborts",
+          solution=engine_loop, placeholder=_engine_loop_placeholder,
+          wrong_variants={
+              "admits only when idle": (_admits_when_idle, ("static batching",)),
+              "ignores disconnects": (_ignores_disconnects, ("ignores disconnects",)),
+              "steps on the event loop": (_steps_on_the_event_loop, ("blocks the event loop",)),
+              "wraps llmlab's EngineLoop": (_wraps_llmlabs_loop, ("llmlab's own",)),
+          })
+def _check_engine_loop(fn, model: str = LOOP_MODEL) -> object:
+    import openai
+
+    from ..engine import LLM, LLMEngine
+    from ..serve import create_app
+    from ..serve.loop import EngineLoop
+    from ..serve.process import ThreadServer
+
+    if not inspect.iscoroutinefunction(fn):
+        return wrong(f"expected a coroutine function, `async def engine_loop(engine, inbox)`; "
+                     f"got {fn!r}.", "it runs as a task on the server's event loop: define it "
+                     "with async def.")
+    want = _loop_reference(model)            # computed before the student's code runs
+    llm = LLM(*_loop_model(model), max_num_seqs=LOOP_SEATS, max_model_len=LOOP_CONTEXT)
+    steps = _StepLog(llm.engine)
+    app = create_app(llm, model, engine_loop=fn)
+    loop = app.state.server.loop
+    loop.log_errors = False                  # what it raised is the verdict's to say
+    with exercises_forbid(EngineLoop.__init__, EngineLoop.start, LLMEngine.run):
+        with ThreadServer(app) as server:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none",
+                                   max_retries=0, timeout=60)
+            problem = _engine_loop_problem(loop, server, steps, client, model, want)
+    if problem is not None:
+        return problem
+    n = len(steps.records)
+    widest = max(len(ids) for _, _, ids, _ in steps.records)
+    return right(f"{len(_LOOP_REQUESTS)} concurrent openai clients got llmlab's greedy text "
+                 f"exactly; B, C and D joined A's running batch (up to {widest} requests in a "
+                 f"step, {n} steps, all off the event loop), and a client that went away had "
+                 "its request aborted and its KV blocks freed.")
 
 
 # ---- predict: the rate the continuous server sustains ---------------------------------------
@@ -192,25 +590,40 @@ def _check_predict_capacity(answer, measured: float | None = None,
 
 # ---- explain: static TTFT ---------------------------------------------------------------
 
-_STATIC_CHOICES = {
-    "a": "the static scheduler is not slower per step; a step of the same batch costs the same "
-         "in both engines.",
-    "b": "a request that arrives while a static batch runs waits until the whole batch, its "
-         "longest member included, has finished; only then is a new batch formed. Its TTFT "
-         "includes that wait, which grows with the load (Orca, OSDI 2022, calls this "
-         "request-level scheduling).",
-    "c": "HTTP and SSE overheads are the same for both schedulers, and small next to a step.",
-    "d": "static batching pads the batch but still admits requests between steps; it does not: "
-         "its batch is fixed until every member finishes.",
+_STATIC_OPTIONS = {
+    "a": "a request that comes while a batch runs waits for that whole batch to end before "
+         "its prefill",
+    "b": "each step of a static batch costs more, since the batch is padded to its longest "
+         "prompt",
+    "c": "HTTP and server-sent events cost more per request under the static scheduler's "
+         "batches",
+    "d": "the static server admits newcomers between steps, but only once the running ones "
+         "have finished their prefill",
+}
+
+_STATIC_EXPLANATIONS = {
+    "a": "a static batch is formed once and runs until its longest member has made all its "
+         "tokens; a request that arrives meanwhile, even to an almost idle server, waits for "
+         "the rest of that batch, up to max_tokens steps, before its own prefill. Orca (Yu et "
+         "al., OSDI 2022) calls this request-level scheduling; iteration-level scheduling "
+         "admits it at the next step.",
+    "b": "padding makes a static step somewhat dearer, but one step is tens of milliseconds: "
+         "it cannot make the TTFT several times longer. The wait is for whole batches.",
+    "c": "the HTTP and SSE path is the same code for both schedulers, and small next to a "
+         "step; only the engine's schedule differs.",
+    "d": "that is the continuous scheduler; the static one admits no one until every member "
+         "of its batch has finished.",
 }
 
 
 @exercise("nb10.explain_static_ttft", notebook=NB, kind="explain",
-          title="explain: why does the static scheduler's TTFT grow so fast with the rate?",
-          solution="b",
-          wrong_variants={"slower steps": ("a", ("same",)), "http": ("c", ("overheads",))})
+          title="explain: at the lowest rate, why is the static scheduler's p90 TTFT several "
+                "times the continuous one's?",
+          solution="a", choices=_STATIC_OPTIONS,
+          wrong_variants={"padding": ("b", ("step",)), "http": ("c", ("same code",)),
+                          "continuous": ("d", ("continuous",))})
 def _check_explain_static_ttft(answer) -> object:
-    return choice_verdict(answer, "b", _STATIC_CHOICES)
+    return choice_verdict(answer, "a", _STATIC_EXPLANATIONS)
 
 
 # ---- build (stretch): Poisson arrivals ------------------------------------------------------

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import LLM, SamplingParams
 from ..engine.llm import chat_prompt
 from ..prompts import check_token_ids
-from .loop import EngineLoop, Event, Handle, Refused
+from .loop import AsyncEngineLoop, EngineLoop, Event, Handle, Refused
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, completion_choice,
                        error_body, new_id, response_body, sampling_kwargs, usage)
@@ -121,7 +121,7 @@ class Server:
     """What the routes share: the model, the engine loop, the tokenizer thread and the
     metrics."""
 
-    def __init__(self, llm: LLM, model_name: str, max_waiting: int = 256):
+    def __init__(self, llm: LLM, model_name: str, max_waiting: int = 256, engine_loop=None):
         self.llm, self.model_name = llm, model_name
         self.max_model_len = llm.engine.config.max_model_len
         self.max_num_seqs = llm.engine.config.max_num_seqs
@@ -130,7 +130,8 @@ class Server:
         # module docstring); the engine thread keeps llm.tokenizer
         self.tokenizer = copy.deepcopy(llm.tokenizer)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="llmlab-tokenizer")
-        self.loop = EngineLoop(llm, max_waiting)
+        self.loop = EngineLoop(llm, max_waiting) if engine_loop is None else \
+            AsyncEngineLoop(llm, engine_loop, max_waiting)
         lp = self.loop
         self.metrics = ServerMetrics(lambda: lp.num_running, lambda: lp.num_waiting,
                                      lambda: lp.kv_blocks_used)
@@ -456,8 +457,8 @@ MAX_CONNECTIONS = 512
 
 def create_app(llm: LLM, model_name: str, max_waiting: int = 256, *,
                api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_connections: int = MAX_CONNECTIONS, body_timeout_s: float = 30.0
-               ) -> FastAPI:
+               max_connections: int = MAX_CONNECTIONS, body_timeout_s: float = 30.0,
+               engine_loop=None) -> FastAPI:
     """The application for one loaded :class:`~llmlab.engine.LLM`; its engine thread
     starts and stops with the application (uvicorn's lifespan).
 
@@ -467,13 +468,15 @@ def create_app(llm: LLM, model_name: str, max_waiting: int = 256, *,
     once; more get 503. ``max_waiting``: requests waiting for a seat; more get 503.
     ``body_timeout_s``: a body not sent within it gets 408 (a slow client holds a
     connection, not the server). These limits are checked by :class:`Guard`, the app's outermost middleware.
+    ``engine_loop``: a coroutine function ``run(engine, inbox)`` that replaces the engine
+    thread (:class:`~llmlab.serve.loop.AsyncEngineLoop`; notebook 10's build).
     """
     for name, value in (("max_body_bytes", max_body_bytes), ("max_connections", max_connections)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
         raise ValueError("api_key must be a non-empty string, or None (no authentication)")
-    server = Server(llm, model_name, max_waiting)
+    server = Server(llm, model_name, max_waiting, engine_loop)
 
     @asynccontextmanager
     async def lifespan(app):

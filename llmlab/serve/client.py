@@ -9,7 +9,8 @@
 * :func:`stream_completion` — one streamed request over httpx, timed: when it was
   sent, when each chunk of text arrived, how many tokens it got.
 * :func:`percentile` and :func:`summarize` — p50 / p90 / p99 of TTFT, TPOT and
-  end-to-end latency, throughput, and goodput under a TTFT target.
+  end-to-end latency, throughput, and goodput under a TTFT target;
+  :func:`percentile_interval` — a bootstrap interval for a percentile.
 
 Plain functions with no llmlab imports, so a notebook can import them, or a student
 can write one and check it against the running server.
@@ -162,6 +163,24 @@ def percentile(xs: Iterable[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def percentile_interval(xs: Iterable[float], q: float, level: float = 0.9, n: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for the ``q``-th percentile of ``xs``: resample the finite
+    values with replacement ``n`` times, take each resample's percentile, and return the
+    central ``level`` share of those (Efron's percentile interval; Efron and Tibshirani,
+    *An Introduction to the Bootstrap*, 1993). With 20 values a p90 rests on the two
+    largest, and the interval says so by being wide. (nan, nan) if there are no values."""
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r} must be in (0, 1)")
+    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    stats = sorted(percentile(rng.choices(v, k=len(v)), q) for _ in range(n))
+    tail = (1 - level) / 2
+    return percentile(stats, 100 * tail), percentile(stats, 100 * (1 - tail))
+
+
 def summarize(results: list[StreamResult], wall_s: float, ttft_target_s: float) -> dict:
     """Latency percentiles (seconds), throughput and goodput of one load run.
 
@@ -208,4 +227,4 @@ def watch_metrics(base_url: str, names: Iterable[str], stop, interval_s: float =
 
 
 __all__ = ["poisson_arrivals", "SSEDecoder", "parse_sse", "StreamResult", "stream_completion",
-           "percentile", "summarize", "scrape_metrics", "watch_metrics"]
+           "percentile", "percentile_interval", "summarize", "scrape_metrics", "watch_metrics"]

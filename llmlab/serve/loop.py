@@ -40,6 +40,7 @@ import asyncio
 import queue
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 from ..engine import LLM, SamplingParams
@@ -96,7 +97,13 @@ class Event:
 
 @dataclass(eq=False)
 class Handle:
-    """One HTTP request as the loop sees it: its prompt, parameters and event queue."""
+    """One HTTP request as the loop sees it: its prompt, parameters and event queue.
+
+    An engine loop answers the request's HTTP handler through four methods (the library's
+    :class:`EngineLoop` uses them, and so does a loop written for :class:`AsyncEngineLoop`):
+    :meth:`accept` once the engine has the request, :meth:`send` for each new token,
+    :meth:`finish` with the final output, :meth:`fail` when it cannot be served. Each may
+    be called from any thread."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -107,6 +114,57 @@ class Handle:
     request: object = None                 # the engine's Request, once accepted
     shown: dict = field(default_factory=dict)   # characters shown, per completion
     closed: bool = False                   # a final event was sent
+    llm: object = None                     # the served LLM: its detokenized text
+    metrics: object = None                 # ServerMetrics, if the server keeps them
+
+    def post(self, event: Event) -> None:
+        """Put ``event`` on the handler's queue (thread-safe); nothing after a final one."""
+        if self.closed:
+            return
+        self.closed = event.kind in ("done", "rejected", "error")
+        try:
+            self.aloop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:                 # the event loop is closed: nobody listens
+            pass
+
+    def accept(self, request) -> bool:
+        """The engine took the request (``engine.add_request``'s return value): the
+        handler may start its response. False, and a 400 for the client, when the engine
+        refused it (``request.error``: it can never run)."""
+        if request.error is not None:
+            self.post(Event("rejected", message=request.error, param=request.error_param))
+            return False
+        self.request_id, self.request = request.request_id, request
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(self.prompt_token_ids))
+        self.post(Event("accepted"))
+        return True
+
+    def send(self, seq, token_id: int) -> None:
+        """A new token of one of the request's sequences (a pair of ``engine.step()``):
+        the handler streams the text it settles (a tail that may become a stop string
+        is held back, as :meth:`LLM.stream` does)."""
+        text = self.llm._new_text(seq, self.shown)
+        lps = getattr(seq, "logprobs", None)
+        self.post(Event("token", seq.index, token_id, text,
+                        seq.status.value if seq.finished else None,
+                        logprobs=lps[-1] if lps else None))
+
+    def finish(self, output) -> None:
+        """The request is over, finished or aborted: ``output`` is ``engine.output(request)``.
+        The handler ends its response; the server's metrics count it once."""
+        if self.closed:
+            return
+        if self.metrics is not None:
+            for c in output.outputs:
+                if c.metrics is not None:
+                    self.metrics.observe(c.metrics, c.finish_reason)
+        self.post(Event("done", output=output))
+
+    def fail(self, message: str, code: str = "engine_error") -> None:
+        """The request ends with an error (a 500, or a 503 for ``shutting_down`` and
+        ``engine_dead``)."""
+        self.post(Event("error", message=message, code=code))
 
 
 class EngineLoop:
@@ -168,7 +226,8 @@ class EngineLoop:
         Raises :class:`EngineDead`, :class:`ShuttingDown` or :class:`QueueFull` (all
         :class:`Refused`) when the thread will not take it."""
         aloop = asyncio.get_running_loop()
-        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(), aloop)
+        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(), aloop,
+                   llm=self.llm, metrics=self.metrics)
         with self._lock:                     # the thread closes under this lock: no command
             if self.death is not None:       # is queued after its last look at the queue
                 raise EngineDead(f"the engine thread died: {self.death}")
@@ -243,13 +302,7 @@ class EngineLoop:
             self._wake.wait(0.01)
 
     def _post(self, h: Handle, event: Event) -> None:
-        if h.closed:
-            return
-        h.closed = event.kind in ("done", "rejected", "error")
-        try:
-            h.aloop.call_soon_threadsafe(h.events.put_nowait, event)
-        except RuntimeError:                 # the event loop is closed: nobody listens
-            pass
+        h.post(event)
 
     def _take_commands(self, refuse: tuple[str, str] | None = None) -> None:
         while True:
@@ -279,14 +332,8 @@ class EngineLoop:
         except ValueError as e:              # the engine refused the input (token ids)
             self._post(h, Event("rejected", message=str(e), param="prompt"))
             return
-        if req.error is not None:
-            self._post(h, Event("rejected", message=req.error, param=req.error_param))
-            return
-        h.request_id, h.request = req.request_id, req
-        self._handles[req.request_id] = h
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(h.prompt_token_ids))
-        self._post(h, Event("accepted"))
+        if h.accept(req):
+            self._handles[req.request_id] = h
 
     def _deliver(self, produced) -> None:
         done = []
@@ -295,12 +342,7 @@ class EngineLoop:
             if h is None:
                 continue
             try:
-                # LLM.stream's rule: hold back what may become a stop string
-                text = self.llm._new_text(seq, h.shown)
-                lps = getattr(seq, "logprobs", None)
-                self._post(h, Event("token", seq.index, tok, text,
-                                    seq.status.value if seq.finished else None,
-                                    logprobs=lps[-1] if lps else None))
+                h.send(seq, tok)             # LLM.stream's rule: holds back a stop string
                 if seq.request.finished:
                     done.append(h)
             except Exception as e:           # this request fails; the others get their tokens
@@ -313,12 +355,7 @@ class EngineLoop:
     def _finish(self, h: Handle) -> None:
         """The request is finished (or aborted): its final output, once, and metrics."""
         self._handles.pop(h.request_id, None)
-        out = self.engine.output(h.request)
-        if self.metrics is not None:
-            for c in out.outputs:
-                if c.metrics is not None:
-                    self.metrics.observe(c.metrics, c.finish_reason)
-        self._post(h, Event("done", output=out))
+        h.finish(self.engine.output(h.request))
 
     def _fail(self, h: Handle | None, message: str, code: str = "engine_error") -> None:
         """One request ends with an error event; the engine drops it (frees its blocks)."""
@@ -344,5 +381,143 @@ class EngineLoop:
         self.kv_blocks_used = self.engine.cache.manager.num_used_blocks
 
 
-__all__ = ["EngineLoop", "Event", "Handle", "Refused", "QueueFull", "ShuttingDown",
-           "EngineDead"]
+class AsyncEngineLoop:
+    """The engine loop as a coroutine you write: ``run(engine, inbox)`` runs as one asyncio
+    task on the server's event loop, the loop every HTTP handler runs on, from start-up to
+    shutdown. ``create_app(llm, name, engine_loop=run)`` serves with it; notebook 10's
+    build is such a ``run``. The routes see the interface of :class:`EngineLoop`.
+
+    ``engine`` is the served LLM's :class:`~llmlab.engine.llm.LLMEngine`. ``inbox`` is an
+    ``asyncio.Queue`` of ``(kind, handle)`` pairs put by the handlers: ``("add", h)`` when
+    a client sends a request (``h.prompt_token_ids``, ``h.params``, ``h.prompt``), and
+    ``("abort", h)`` when its client goes away before the end. The loop answers each
+    handler through ``h.accept(request)``, ``h.send(seq, token_id)`` and
+    ``h.finish(output)`` (:class:`Handle`).
+
+    If ``run`` raises or returns, the server stops serving: every open request gets an
+    error, ``/health`` says why (:attr:`death`), :attr:`exception` keeps what was raised,
+    and new requests get 503. :meth:`stop` cancels the task; a step running in another
+    thread at that moment finishes there.
+    """
+
+    def __init__(self, llm: LLM, run, max_waiting: int = 256, metrics=None):
+        if not asyncio.iscoroutinefunction(run):
+            raise TypeError(f"engine_loop must be a coroutine function (async def run(engine, "
+                            f"inbox)); got {run!r}")
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 1")
+        self.llm, self.engine, self.run = llm, llm.engine, run
+        self.max_waiting, self.metrics = max_waiting, metrics
+        self.death: str | None = None        # why the loop ended, if it did
+        self.exception: BaseException | None = None
+        self.inbox: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._open: weakref.WeakSet = weakref.WeakSet()   # handles that may need an error
+        self._gauges = [0, 0, 0]
+        self.log_errors = True               # print the traceback if run raises
+
+    def start(self) -> None:
+        """Start the task on the running event loop (the server's lifespan calls it)."""
+        if self.llm.served_by is not None:
+            raise RuntimeError("this LLM is already served by another engine loop")
+        self.inbox = asyncio.Queue()
+        self.llm.served_by = self
+        self.engine.record_steps = False     # a server steps forever: no step log
+        self._task = asyncio.get_running_loop().create_task(self._main())
+
+    async def _main(self) -> None:
+        try:
+            await self.run(self.engine, self.inbox)
+            why = "the engine loop returned"
+        except asyncio.CancelledError:
+            if not self._stopping:
+                self.death = "the engine loop was cancelled"
+            self._end(self.death or "the server is shutting down",
+                      EngineDead.code if self.death else ShuttingDown.code)
+            raise
+        except Exception as e:               # the loop's own bug: the server stops serving
+            if self.log_errors:
+                traceback.print_exc()
+            self.exception = e
+            why = f"{type(e).__name__}: {e}"
+        self.death = why
+        self._end(f"the engine loop ended: {why}", EngineDead.code)
+
+    def _end(self, message: str, code: str) -> None:
+        for h in list(self._open):
+            h.fail(message, code)
+        self.engine.record_steps = True
+        if self.llm.served_by is self:
+            self.llm.served_by = None
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    def health(self) -> tuple[bool, str]:
+        """(serving?, why not): for ``/health``."""
+        if self.death is not None:
+            return False, f"the engine loop ended: {self.death}"
+        if self._stopping:
+            return False, "the server is shutting down"
+        if self._task is None or self._task.done():
+            return False, "the engine loop is not running"
+        return True, "ok"
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None) -> Handle:
+        """Put ``("add", handle)`` in the inbox; raises :class:`Refused` as
+        :meth:`EngineLoop.submit` does."""
+        if self.death is not None:
+            raise EngineDead(f"the engine loop ended: {self.death}")
+        if self._stopping or self._task is None:
+            raise ShuttingDown("the server is shutting down")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests wait "
+                            "for a seat); retry later")
+        h = Handle(list(prompt_token_ids), params, prompt, asyncio.Queue(),
+                   asyncio.get_running_loop(), llm=self.llm, metrics=self.metrics)
+        self._open.add(h)
+        self.inbox.put_nowait(("add", h))
+        return h
+
+    def abort(self, h: Handle) -> None:
+        """The client went away: ``("abort", handle)`` goes to the inbox."""
+        if self.inbox is not None and self.alive:
+            self.inbox.put_nowait(("abort", h))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel the task; open requests get a ``shutting_down`` error."""
+        self._stopping = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._end("the server is shutting down", ShuttingDown.code)
+
+    # gauges for /metrics, read while a step may run in another thread: a read that
+    # races with the scheduler keeps the last value
+    def _gauge(self, i: int, read) -> int:
+        try:
+            self._gauges[i] = read()
+        except RuntimeError:                 # a queue changed while it was read
+            pass
+        return self._gauges[i]
+
+    @property
+    def num_running(self) -> int:
+        return self._gauge(0, lambda: len({s.request.request_id
+                                            for s in list(self.engine.scheduler.running)}))
+
+    @property
+    def num_waiting(self) -> int:
+        queued = self.inbox.qsize() if self.inbox is not None else 0
+        return queued + self._gauge(1, lambda: len({s.request.request_id
+                                                    for s in list(self.engine.scheduler.waiting)}))
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self._gauge(2, lambda: self.engine.cache.manager.num_used_blocks)
+
+
+__all__ = ["EngineLoop", "AsyncEngineLoop", "Event", "Handle", "Refused", "QueueFull",
+           "ShuttingDown", "EngineDead"]

@@ -88,4 +88,46 @@ class ServerProcess:
         return f"<ServerProcess {self.model} ({self.scheduler}) at {self.base_url}: {state}>"
 
 
-__all__ = ["ServerProcess", "free_port", "start_server", "stop_server"]
+class ThreadServer:
+    """uvicorn serving ``app`` (from :func:`llmlab.serve.create_app`) on a free localhost
+    port, in a daemon thread of this process, as a context manager: a server whose
+    engine loop is a function defined here (notebook 10's build), which a child process
+    could not run. ``base_url`` as :class:`ServerProcess`'s."""
+
+    def __init__(self, app, timeout_s: float = 60.0):
+        import threading
+
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="llmlab-uvicorn",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the in-process server did not start within {timeout_s:g} s")
+            time.sleep(0.02)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """uvicorn's clean shutdown (the engine loop stops with the app's lifespan)."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> "ThreadServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["ServerProcess", "ThreadServer", "free_port", "start_server", "stop_server"]

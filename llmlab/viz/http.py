@@ -39,18 +39,28 @@ def plot_gauges(samples: list[tuple[float, dict[str, float]]], title: str = ""):
 
 
 def plot_sweep(rows: list[dict], ttft_target_s: float, title: str = ""):
-    """p90 TTFT against the arrival rate (left; the dashed line is the TTFT target) and
-    p90 end-to-end latency against throughput (right), one line per scheduler."""
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
+    """p90 TTFT against the arrival rate (left; the dashed line is the TTFT target; error
+    bars where rows carry ``ttft_p90_lo`` and ``ttft_p90_hi``, e.g. bootstrap intervals),
+    p90 end-to-end latency against throughput (middle), and goodput against the arrival
+    rate (right; the dotted diagonal is every request meeting the target), one line per
+    scheduler."""
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(12, 3.3), dpi=80)
     for sched in dict.fromkeys(r["scheduler"] for r in rows):
         rs = sorted((r for r in rows if r["scheduler"] == sched), key=lambda r: r["rate"])
         rates = [r["rate"] for r in rs]
-        ax.plot(rates, [r["ttft_p90_s"] for r in rs], "o-", label=sched)
+        p90 = [r["ttft_p90_s"] for r in rs]
+        if all("ttft_p90_lo" in r and "ttft_p90_hi" in r for r in rs):
+            err = [[max(0.0, v - r["ttft_p90_lo"]) for v, r in zip(p90, rs)],
+                   [max(0.0, r["ttft_p90_hi"] - v) for v, r in zip(p90, rs)]]
+            ax.errorbar(rates, p90, yerr=err, fmt="o-", capsize=3, label=sched)
+        else:
+            ax.plot(rates, p90, "o-", label=sched)
         bx.plot([r["throughput_tok_s"] for r in rs], [r["e2e_p90_s"] for r in rs], "o-",
                 label=sched)
         for r in rs:
             bx.annotate(f"{r['rate']:g}/s", (r["throughput_tok_s"], r["e2e_p90_s"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
+        cx.plot(rates, [r.get("goodput_req_s", math.nan) for r in rs], "o-", label=sched)
     ax.axhline(ttft_target_s, ls="--", color="gray", lw=1, label=f"target {ttft_target_s:g} s")
     ax.set(xscale="log", yscale="log", xlabel="arrival rate (requests/s)",
            ylabel="p90 TTFT (s)", title="latency as the load grows")
@@ -59,9 +69,14 @@ def plot_sweep(rows: list[dict], ttft_target_s: float, title: str = ""):
     bx.set_xlim(left=0)
     bx.set_ylim(bottom=0)
     rates = sorted({r["rate"] for r in rows})
+    cx.plot([0, max(rates)], [0, max(rates)], ":", color="gray", lw=1, label="every request")
+    cx.set(xlabel="arrival rate (requests/s)", ylabel="goodput (requests/s)",
+           title=f"requests/s with TTFT <= {ttft_target_s:g} s")
+    cx.set_xlim(left=0)
+    cx.set_ylim(bottom=0)
     ax.set_xticks(rates, [f"{x:g}" for x in rates])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    for a in (ax, bx):
+    for a in (ax, bx, cx):
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
