@@ -8,7 +8,7 @@ sequence), :func:`admit` (the head of the waiting queue joins, its prompt schedu
 :func:`requeue` (a preempted sequence waits again, at the front, to be recomputed).
 It is judged in three stages, cheapest first: single steps on hand-built queues (precise
 messages), the engine's scheduler serving notebook 05's whole trace without the model
-(:func:`llmlab.viz.serving.dry_run`: no request lost or duplicated, fewer iterations and
+(:func:`llmlab.engine.simulate.dry_run`: no request lost or duplicated, fewer iterations and
 positions than static batching), and the engine on tiny-llama with a pool small enough to
 preempt, whose greedy tokens must equal generating each request alone.
 """
@@ -370,9 +370,18 @@ def _trace_lengths():
     return [len(r.prompt_token_ids) for r in trace], [r.output_tokens for r in trace]
 
 
+TIGHT_BLOCKS = 60          # blocks of 16: too few for 8 seats on the trace, so it must preempt
+
+
+def _library_policies() -> tuple:
+    """llmlab's own scheduling steps: what the schedule build writes."""
+    return (Scheduler._schedule_continuous, Scheduler._schedule_static,
+            Scheduler._schedule_decodes, Scheduler._preempt)
+
+
 @functools.lru_cache(maxsize=1)
 def _static_trace_run(num_blocks: int):
-    from ..viz.serving import dry_run
+    from ..engine.simulate import dry_run
 
     p, o = _trace_lengths()
     return dry_run(p, o, "static", max_num_seqs=8, num_blocks=num_blocks)
@@ -380,10 +389,10 @@ def _static_trace_run(num_blocks: int):
 
 def _trace_check(schedule):
     """The whole trace through the scheduler, no model; None when it passes."""
-    from ..viz.serving import SchedulerStall, dry_run
+    from ..engine.simulate import SchedulerStall, dry_run
 
     p, o = _trace_lengths()
-    tight = 60                       # blocks of 16: too few for 8 seats, so it must preempt
+    tight = TIGHT_BLOCKS
     try:
         run = dry_run(p, o, schedule, max_num_seqs=8, num_blocks=tight)
     except SchedulerStall as exc:
@@ -426,14 +435,12 @@ def _engine_check(schedule):
     from ..engine import LLM
 
     model, tok = _tiny()
-    p, o = _trace_lengths()
-    prompts = [list(range(300 + 17 * i, 300 + 17 * i + min(n, 24))) for i, n in enumerate(p[:10])]
-    outs = [max(2, min(m // 6, 16)) for m in o[:10]]
+    prompts, outs = _engine_requests()
     llm = LLM(model, tok, scheduler=schedule, max_num_seqs=4, num_blocks=20, block_size=4,
               enable_prefix_caching=False)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
-    got = llm.generate(prompts, params, use_tqdm=False)
-    alone = _alone(tuple(map(tuple, prompts)), tuple(outs))
+    got = llm.generate([list(x) for x in prompts], params, use_tqdm=False)
+    alone = _alone(prompts, outs)
     for i, (g, a) in enumerate(zip(got, alone)):
         if not g.finished or not g.outputs:
             return wrong(f"with tiny-llama, request {i} did not finish: it was lost.",
@@ -444,6 +451,14 @@ def _engine_check(schedule):
                          f"{diff}", "a preempted sequence must recompute all its tokens "
                          "(prompt + generated) before decoding again."), None
     return None, llm.stats.num_preemptions
+
+
+def _engine_requests() -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """10 requests for tiny-llama, shaped like the trace's first 10 but shorter."""
+    p, o = _trace_lengths()
+    prompts = tuple(tuple(range(300 + 17 * i, 300 + 17 * i + min(n, 24)))
+                    for i, n in enumerate(p[:10]))
+    return prompts, tuple(max(2, min(m // 6, 16)) for m in o[:10])
 
 
 @functools.lru_cache(maxsize=2)
@@ -463,23 +478,30 @@ def _alone(prompts, outs):
               "admits beyond max_num_seqs": (_variant(ignore_seats=True), ("max_num_seqs",)),
               "static: waits for the whole batch": (_variant(static=True), ("static",)),
               "preempts the oldest": (_variant(oldest=True), ("newest",)),
+              "wraps llmlab's policy": (lambda sched, now: sched._schedule_continuous(now),
+                                        ("llmlab's own",)),
           })
 def _check_schedule(schedule):
     """``schedule(sched, now) -> SchedulerOutput``, the engine's continuous step."""
+    from . import forbid
+
     if not callable(schedule):
         return wrong(f"pass your function itself, got {type(schedule).__name__}.",
                      "exercises.check(\"nb05.schedule\", schedule)")
-    try:
-        verdict = _unit_checks(schedule)
-    except _Problem as exc:
-        return wrong(exc.problem, exc.hint)
-    if verdict is not None:
-        return verdict
-    result = _trace_check(schedule)
-    if not isinstance(result, tuple):
-        return result
-    run, static = result
-    verdict, preemptions = _engine_check(schedule)
+    _static_trace_run(TIGHT_BLOCKS)            # the baseline, before llmlab's policies are off
+    _alone(*_engine_requests())
+    with forbid(*_library_policies()):
+        try:
+            verdict = _unit_checks(schedule)
+        except _Problem as exc:
+            return wrong(exc.problem, exc.hint)
+        if verdict is not None:
+            return verdict
+        result = _trace_check(schedule)
+        if not isinstance(result, tuple):
+            return result
+        run, static = result
+        verdict, preemptions = _engine_check(schedule)
     if verdict is not None:
         return verdict
     return right(f"the engine's scheduler with your step served notebook 05's "
@@ -501,7 +523,7 @@ def _check_schedule(schedule):
 def _check_predict_speedup(answer, measured: float | None = None):
     """``answer``: static iterations / continuous iterations on the trace, 8 seats."""
     if measured is None:
-        from ..viz.serving import dry_run
+        from ..engine.simulate import dry_run
 
         p, o = _trace_lengths()
         measured = (dry_run(p, o, "static", max_num_seqs=8).iterations
@@ -521,25 +543,34 @@ def _check_predict_speedup(answer, measured: float | None = None):
 # ---- 6. explain: chunked prefill on a CPU ------------------------------------------------------
 
 _CHUNK_CHOICES = {
-    "a": "chunking does not make prompt tokens cheaper: it only moves them. It pays off where a "
-         "decode step is memory-bound with room to spare, so prompt tokens ride along almost "
-         "free (a GPU, far below its ridge point); on this CPU every prompt token costs its "
-         "full compute, so each chunk step is simply slower than a pure decode step.",
-    "b": "the chunks are not recomputed: each prompt token is fed once, and the K/V of earlier "
+    "a": "Each chunk recomputes the keys and values of the chunks before it.",
+    "b": "Chunking changes the generated tokens, so the two runs do not do the same work.",
+    "c": "Chunks need a smaller KV block size, and smaller blocks slow every attention read.",
+    "d": "It spreads prompt tokens over more steps; on this CPU none gets any cheaper.",
+}
+
+_CHUNK_WHY = {
+    "a": "the chunks are not recomputed: each prompt token is fed once, and the K/V of earlier "
          "chunks are read from the cache.",
-    "c": "the tokens are identical with and without chunks (the notebook checks it); chunking "
+    "b": "the tokens are identical with and without chunks (the notebook checks it); chunking "
          "changes when work happens, not what is computed.",
-    "d": "the block size does not change: chunks reuse the same paged pool and the same "
+    "c": "the block size does not change: chunks reuse the same paged pool and the same "
          "block tables.",
+    "d": "chunking does not make prompt tokens cheaper: it only moves them. It pays off where a "
+         "decode step is memory-bound with room to spare, so prompt tokens ride along almost "
+         "free (a GPU, far below its ridge point); on this CPU a prompt token costs its full "
+         "compute in whichever step it lands, so each chunk step is slower than a pure decode "
+         "step, and more decode steps carry a share of the prompt.",
 }
 
 
 @exercise("nb05.explain_chunking", notebook=NB,
-          title="why chunked prefill does not help TPOT on this CPU",
-          kind="explain", solution="a",
-          wrong_variants={"recompute": ("b", ("once",))})
+          title="explain: what does chunked prefill change about a prompt's cost on this CPU?",
+          kind="explain", solution="d", choices=_CHUNK_CHOICES,
+          wrong_variants={"recompute": ("a", ("once",)),
+                          "changes the tokens": ("b", ("identical",))})
 def _check_explain_chunking(answer):
-    return choice_verdict(answer, "a", _CHUNK_CHOICES)
+    return choice_verdict(answer, "d", _CHUNK_WHY)
 
 
 # ---- 7. stretch: a prefix-cache-aware admission policy -----------------------------------------

@@ -27,7 +27,8 @@ from llmlab import exercises
 from llmlab.device import device_name
 from llmlab.models.registry import model_dir, repo_root
 from llmlab.traces import load_trace
-from llmlab.viz.serving import dry_run, plot_occupancy
+from llmlab.engine.simulate import dry_run
+from llmlab.viz.serving import plot_occupancy
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
 if os.environ.get("LLMLAB_THREADS"):      # e.g. 1 on a machine whose cores are busy
@@ -101,32 +102,34 @@ fig = plot_occupancy({k: r.stats for k, r in runs.items()}, SEATS_ALL,
 #
 # ### Exercise 2 (build): one step of continuous batching
 #
-# Write `schedule(sched, now) -> SchedulerOutput`, the continuous policy's decision for one
-# step (requests with one completion each, whole prompts):
+# Write `schedule(sched, now) -> SchedulerOutput`: the continuous policy's decision for one step,
+# for requests with one completion each and whole prompts (no chunks). The rules are Orca's and
+# vLLM's:
 #
-# 1. **Decodes first.** Every running sequence (`sched.running`, oldest first) gets one new token.
-#    If the pool has no block for it (`not sched.bm.can_append(seq.seq_id)`), preempt the
-#    **newest** running sequence *by recompute*: give its blocks back (`sched.bm.free(seq_id)`),
-#    take it out of `sched.running`, `requeue(sched, seq)` it (front of the waiting queue, to be
-#    prefilled again from its tokens) and list it in `out.preempted`. Repeat until the block fits,
-#    or until the sequence itself was the one preempted.
-# 2. **If anything was preempted, admit nobody this step**: memory is tight.
-# 3. **Then newcomers**, from the head of `sched.waiting`, while the head has arrived
-#    (`seq.request.arrival_time <= now`), a seat is free (`len(sched.running) <
-#    sched.config.max_num_seqs`), its tokens (`seq.num_tokens`) fit in what is left of the step's
-#    budget `sched.config.max_num_batched_tokens` (a prompt longer than the whole budget may still
-#    run in a step that has nothing else) and the pool can hold it
-#    (`sched.bm.can_allocate(seq.all_token_ids)`). Stop at the first that does not fit: first come,
-#    first served.
+# * every running sequence gets its next token in this step;
+# * when the KV pool has no room for a running sequence's next token, the **newest** running
+#   sequence is preempted *by recompute*: it gives its blocks back and waits again at the front of
+#   the queue, to be prefilled from its tokens later (nothing is lost); this repeats as often as
+#   needed, and a step that preempted admits nobody (memory is tight);
+# * waiting requests that have arrived by `now` join first come, first served, while there is a
+#   free seat (`max_num_seqs`), room in the step's token budget (`max_num_batched_tokens`; a
+#   prompt longer than the whole budget may still run in a step that has nothing else) and room in
+#   the pool; the first request that does not fit ends the admissions.
 #
-# Three given helpers do the bookkeeping: `decode_one(sched, seq, out)` reserves the slot and
-# schedules one token, `admit(sched, seq, out)` allocates the head of the queue, seats it and
-# schedules its whole prompt (it returns the token count), and `requeue(sched, seq)` is the
-# second half of a preemption. The checker runs single steps on hand-built queues, then serves the
-# whole trace through the engine's scheduler with your step and a pool small enough to preempt
-# (no request may be lost or run twice, and it must beat static batching), then serves 10
-# requests on **tiny-llama** (the tiny random model, to keep the check to seconds) through the
-# real engine, whose greedy tokens must equal generating each request alone.
+# What the scheduler offers: `sched.running` (a list, admission order), `sched.waiting` (a deque,
+# arrival order; `seq.request.arrival_time`), `sched.config`, and the block manager `sched.bm`
+# (`can_append(seq_id)`, `can_allocate(token_ids)`, `free(seq_id)`); a sequence has `seq_id`,
+# `num_tokens` and `all_token_ids`. Three helpers do the bookkeeping, each documented in
+# `llmlab/exercises/nb05.py`: `decode_one(sched, seq, out)` (a slot and one decode token),
+# `admit(sched, seq, out)` (the head of the queue joins with its whole prompt; returns its token
+# count) and `requeue(sched, seq)` (the second half of a preemption). A preempted sequence is listed
+# in `out.preempted`.
+#
+# The checker runs single steps on hand-built queues, then serves the whole trace through the
+# engine's scheduler with your step and a pool small enough to preempt (no request may be lost or
+# run twice, and it must beat static batching), then serves 10 requests on **tiny-llama** (the tiny
+# random model, to keep the check to seconds) through the real engine, whose greedy tokens must
+# equal generating each request alone. llmlab's own policies are switched off while it runs.
 
 # %%
 from llmlab.engine.scheduler import SchedulerOutput
@@ -135,18 +138,17 @@ from llmlab.exercises.nb05 import admit, decode_one, requeue
 
 def schedule(sched, now):
     out = SchedulerOutput(packed=True)
-    # YOUR CODE HERE: 1. decodes, preempting the newest when blocks run out;
-    # 2. no admission after a preemption; 3. newcomers within seats, budget and blocks
+    # YOUR CODE HERE
     raise NotImplementedError
 
 
 exercises.check("nb05.schedule", schedule)
 
 # %% [markdown]
-# Compare with llmlab's: `Scheduler._schedule_continuous` in `llmlab/engine/scheduler.py` is this
-# step, plus what the exercise left out: a request with `n` completions needs `n` seats (its
-# completions fork after the prompt), and with `enable_chunked_prefill` prompts are fed in chunks
-# (below). `LLM(model, tok, scheduler=schedule)` runs the engine with your function instead.
+# Compare with llmlab's: the continuous policy in `llmlab/engine/scheduler.py` is this step, plus
+# what the exercise left out: a request with `n` completions needs `n` seats (its completions fork
+# after the prompt), and with `enable_chunked_prefill` prompts are fed in chunks (below).
+# `LLM(model, tok, scheduler=schedule)` runs the engine with your function instead.
 #
 # ## Packing: no padding
 #
@@ -222,21 +224,20 @@ for policy in ("continuous", "static"):
 # %% [markdown]
 # ## Measure: HF transformers vs llmlab static vs llmlab continuous
 #
-# A slice of the trace on SmolLM2-135M, all requests arriving at t = 0, greedy, each request
-# generating exactly its `output_tokens` (EOS ignored, as serving benchmarks do), four ways:
+# Continuous batching refills decode seats, so it is measured where decoding is the work: requests
+# with short prompts and long answers, as in a chat. From the trace, the first requests with prompts
+# of at most 40 tokens, each generating half its trace length (the spread of the lengths, which is
+# what static batching pays for, is kept), all arriving at t = 0, greedy, EOS ignored as serving
+# benchmarks do, on SmolLM2-135M, three ways:
 #
 # 1. HF transformers `generate` in padded static batches (left padding, `max_new_tokens` = the
 #    batch's longest request: what a padded static batch costs);
 # 2. llmlab `scheduler="static"`: the same batches over the paged cache;
-# 3. llmlab `scheduler="continuous"`;
-# 4. the same with chunked prefill (below).
+# 3. llmlab `scheduler="continuous"`.
 #
-# The first 8 requests with prompts of at most 64 tokens, 4 seats, every output length scaled by
-# 1/10 (their spread, which is what static batching pays for, is kept) so that one round takes a
-# few seconds; the prefix cache is
-# off, so every round computes the same work. Five rounds with the systems interleaved, after a
-# warm-up; the bars are medians, the whiskers min–max. `python -m llmlab.bench serve` runs all 80
-# requests at full length.
+# The prefix cache is off, so every round computes the same work. Five rounds with the systems
+# interleaved, after a short warm-up; the bars are medians, the whiskers min–max.
+# `python -m llmlab.bench serve` runs all 80 requests.
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -244,76 +245,111 @@ from transformers.utils import logging as hf_logging
 
 from llmlab.bench.serve import run_hf, run_llmlab
 from llmlab.profiling.metrics import summarize
+from llmlab.profiling.steps import fit_step_cost, step_arrays
 from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
-N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (8, 4, 5)
-part = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.1)
-        if len(r.prompt_token_ids) <= 64][:N]
+N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (12, 6, 5)
+short = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.5)
+         if len(r.prompt_token_ids) <= 40]
+part, warm = short[:N], [r for r in load_trace(TRACE, tokenizer=tok, max_output=4)][:SEATS]
 hf = AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")), dtype=torch.float32).eval()
 engine_args = dict(max_num_seqs=SEATS, num_blocks=128, enable_prefix_caching=False)
 engines = {"llmlab static": LLM(model, tok, scheduler="static", **engine_args),
-           "llmlab continuous": LLM(model, tok, **engine_args),
-           "llmlab continuous, chunked prefill": LLM(model, tok, enable_chunked_prefill=True,
-                                                     max_num_batched_tokens=64, **engine_args)}
-systems = {"HF transformers (padded static)": lambda: run_hf(hf, tok, part, SEATS)}
-systems.update({name: (lambda e=e: run_llmlab(e, part)) for name, e in engines.items()})
+           "llmlab continuous": LLM(model, tok, **engine_args)}
+systems = {"HF transformers (padded static)": lambda reqs: run_hf(hf, tok, reqs, SEATS)}
+systems.update({name: (lambda reqs, e=e: run_llmlab(e, reqs)) for name, e in engines.items()})
 for run in systems.values():          # warm-up
-    run()
+    run(warm)
 rounds = {name: [] for name in systems}
 for _ in range(ROUNDS):
     for name, run in systems.items():
-        rounds[name].append(run())
+        rounds[name].append(run(part))
 summaries = {k: [summarize(r["metrics"], r["wall_s"]) for r in v] for k, v in rounds.items()}
 tps = {k: [s["tokens_per_s"] for s in v] for k, v in summaries.items()}
 med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-HF, STATIC, CONT, CHUNK = systems
-fig = plot_rounds({k: tps[k] for k in (HF, STATIC, CONT)}, "generated tokens/s",
+HF, STATIC, CONT = systems
+fig = plot_rounds(tps, "generated tokens/s",
                   title=f"SmolLM2-135M, {N} requests, {SEATS} seats ({device_name()})")
-for k in (HF, STATIC, CONT):
+for k in systems:
     print(f"{k:32s} {med[k]:6.1f} tok/s (min {min(tps[k]):.1f}, max {max(tps[k]):.1f})")
-print(f"medians: continuous / HF {med[CONT] / med[HF]:.2f}×, static / HF {med[STATIC] / med[HF]:.2f}× "
-      f"({device_name()})")
+print(f"medians: continuous / HF {med[CONT] / med[HF]:.2f}×, continuous / static "
+      f"{med[CONT] / med[STATIC]:.2f}×, static / HF {med[STATIC] / med[HF]:.2f}× ({device_name()})")
+ms, rows, prompt = step_arrays(r["stats"] for r in rounds[CONT])
+decode_share = ms[prompt == 0].sum() / ms.sum()
+print(f"the work: {sum(len(r.prompt_token_ids) for r in part)} prompt tokens, "
+      f"{sum(r.output_tokens for r in part)} generated; in the continuous runs, steps that only "
+      f"decode take {decode_share:.0%} of the step time")
+assert decode_share > 0.5, "this run was meant to be decode-dominated"
 
 # %% [markdown]
-# ### The padding that packing saves, counted in tokens
+# ### Counted in iterations and token positions
 
 # %%
 # NBVAL_CHECK_OUTPUT
 last = {name: v[-1] for name, v in rounds.items()}
 for name in (STATIC, CONT):
     s = last[name]["stats"]
-    print(f"{name:18s}: {s.computed_tokens} token positions computed for {s.real_tokens} real "
-          f"tokens -> {s.padding_tokens} pads, {len(s.steps)} iterations")
-print(f"HF padded static  : {last[HF]['positions']} token positions "
-      "(padded prompts, and rows whose request is already done keep decoding)")
+    print(f"{name:18s}: {len(s.steps)} iterations, {s.computed_tokens} token positions for "
+          f"{s.real_tokens} real tokens ({s.padding_tokens} pads)")
+hf_iterations = sum(max(r.output_tokens for r in part[i:i + SEATS])
+                    for i in range(0, len(part), SEATS))
+print(f"HF padded static  : {hf_iterations} iterations, {last[HF]['positions']} token positions "
+      "(padded prompts, and rows whose request is done keep decoding)")
 
 # %% [markdown]
-# ### Where the speedup comes from: work saved × time per position
+# Both static systems run the same number of iterations: every batch lasts as long as its longest
+# answer. llmlab's static batch stops computing a row whose request is done (its seat stays empty),
+# HF's keeps decoding it. Continuous batching computes no more positions than llmlab static minus
+# its pads, but in far fewer iterations: the freed seats are filled instead of left empty.
 #
-# A speedup has two factors: how many token positions each system computes (a pad, or a row whose
-# request is already done, costs a forward row like a real token), and how long one position
-# takes. Divide the measured speedup by the work ratio and what is left is the second factor.
+# ### Where the speedup comes from: a step's fixed cost
+#
+# Which count sets the time, iterations or positions? The engine logs every step's duration, how
+# many sequences it decoded (rows) and how many prompt tokens it fed. A least-squares fit over every
+# step of both llmlab systems and all rounds splits a step into a part every step pays and parts
+# that grow with its work (`llmlab.profiling.steps.fit_step_cost`):
 
 # %%
-for name in (HF, STATIC):
-    work = last[name]["positions"] / last[CONT]["positions"]
-    speed = med[CONT] / med[name]
-    print(f"{name:32s} {last[name]['positions']:5d} positions = {work:.2f}× continuous's "
-          f"{last[CONT]['positions']}; measured {speed:.2f}× faster -> continuous spends "
-          f"{work / speed:.2f}× the time per position")
+from IPython.display import Markdown, display
+
+cost = fit_step_cost(r["stats"] for name in (STATIC, CONT) for r in rounds[name])
+print(f"step time ≈ {cost.fixed_ms:.1f} ms + {cost.per_row_ms:.2f} ms per decoding row + "
+      f"{cost.per_prompt_token_ms:.2f} ms per prompt token (fit over {cost.num_steps} steps, "
+      f"rms residual {cost.rms_ms:.1f} ms)")
+print(f"a decode step of {SEATS} rows: {cost.predict_ms(SEATS):.1f} ms = "
+      f"{cost.predict_ms(SEATS) / cost.predict_ms(1):.2f}× a step of 1 row; the fixed part is "
+      f"{cost.fixed_share(SEATS):.0%} of it")
+walls = {k: sorted(r["wall_s"] for r in rounds[k])[ROUNDS // 2] for k in systems}
+steps = {k: len(last[k]["stats"].steps) for k in (STATIC, CONT)}
+fixed_s = (steps[STATIC] - steps[CONT]) * cost.fixed_ms / 1e3
+print(f"static runs {steps[STATIC] - steps[CONT]} more steps than continuous; at "
+      f"{cost.fixed_ms:.1f} ms of fixed cost each that is {fixed_s:.2f} s, of a measured "
+      f"difference of {walls[STATIC] - walls[CONT]:.2f} s (median walls)")
+hf_extra = last[HF]["positions"] - last[CONT]["positions"]
+print(f"HF computes {hf_extra} positions more than continuous: at llmlab's {cost.per_row_ms:.2f} "
+      f"ms per row that would be {hf_extra * cost.per_row_ms / 1e3:.2f} s; its time per "
+      f"iteration is {walls[HF] / hf_iterations * 1e3:.1f} ms against llmlab static's "
+      f"{walls[STATIC] / steps[STATIC] * 1e3:.1f} ms")
+row_vs_step = cost.per_row_ms / cost.predict_ms(1)
+display(Markdown(
+    f"On this machine a decoding row adds {cost.per_row_ms:.2f} ms to a step whose fixed part is "
+    f"{cost.fixed_ms:.1f} ms: one more row costs {row_vs_step:.0%} of a one-row step. "
+    + ("So in a decode-dominated run the number of iterations, not the number of token positions, "
+       "sets the time: a pad, or a finished row that keeps decoding, costs little, while every "
+       "extra iteration costs a whole weight read. Continuous batching wins by putting a waiting "
+       "request into a seat of a step that is paid for anyway. Notebook 02 measured the same "
+       "thing on the roofline: a decode step is memory-bound, and a larger batch costs far less "
+       "than proportionally more."
+       if row_vs_step < 0.5 else
+       "Here a row is not cheap next to a step, so positions matter as much as iterations: "
+       "this machine's decode steps are not dominated by reading the weights.")))
+assert row_vs_step < 0.5, "a decoding row cost half a step or more: the takeaways do not hold"
 
 # %% [markdown]
-# On this CPU the work ratio explains most of the speedup: the matrix multiplies are most of the
-# cost, and they charge a pad as much as a real token. The time per position (the last number)
-# differs by tens of percent between systems and between runs: HF's `generate` is another
-# implementation with its own overheads, and near the end of a trace a continuous step has only
-# a few rows, notebook 02's memory-bound corner, where each row costs more. So expect about the
-# work ratio from scheduling alone, and the number of seats sets it: the more requests share a
-# static batch, the longer the longest of them and the more seats sit idle. The README's results
-# table has `python -m llmlab.bench serve` on the whole trace with 32 and 64 seats. Past the work
-# ratio, a speedup has to come from a cheaper position: the subject of the kernel notebooks
-# (03 and 04).
+# The seats set the size of the gain: the more requests share a static batch, the longer the
+# longest of them and the more seats sit idle. The README's results table has
+# `python -m llmlab.bench serve` on the whole trace with 32 and 64 seats.
 #
 # ### Chunked prefill: no step is long
 #
@@ -321,50 +357,76 @@ for name in (HF, STATIC):
 # it: that wait is part of their TPOT. With `enable_chunked_prefill=True` the token budget
 # `max_num_batched_tokens` becomes a hard cap per step: decodes go first, and a prompt is fed in
 # chunks of whatever budget is left, over several steps (Agrawal et al.: Sarathi, 2023, and
-# Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). System 4 above is the same
-# requests with a budget of 64 tokens per step:
+# Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). It matters when long prompts
+# arrive while others decode, so here the requests are the trace's first with prompts of at least
+# 100 tokens, 2 seats, a budget of 64 tokens per step, five rounds:
 
 # %%
 from llmlab.viz.serving import plot_step_times
 
-for name in (CONT, CHUNK):
-    tpot = sorted(s["tpot_p90_s"] for s in summaries[name])[ROUNDS // 2]
-    ttft = sorted(s["ttft_mean_s"] for s in summaries[name])[ROUNDS // 2]
-    biggest = max(r.prefill_tokens + r.decode_tokens for r in last[name]["stats"].steps)
-    print(f"{name:36s} {med[name]:6.1f} tok/s   TPOT p90 {tpot * 1e3:4.0f} ms   TTFT mean "
-          f"{ttft:5.2f} s   largest step {biggest} tokens   (medians of {ROUNDS} rounds)")
-print("same tokens as without chunks:", last[CHUNK]["tokens"] == last[CONT]["tokens"])
-fig = plot_step_times({"continuous": last[CONT]["stats"],
-                       "chunked prefill, 64 tokens/step": last[CHUNK]["stats"]},
-                      title=f"SmolLM2-135M, {N} requests, {SEATS} seats, last round ({device_name()})")
+BUDGET = 64
+long_part = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.5)
+             if len(r.prompt_token_ids) >= 100][:3 if QUICK else 4]
+chunk_args = dict(max_num_seqs=2, num_blocks=128, enable_prefix_caching=False)
+chunkers = {"continuous": LLM(model, tok, **chunk_args),
+            f"chunked prefill, {BUDGET} tokens/step":
+                LLM(model, tok, enable_chunked_prefill=True, max_num_batched_tokens=BUDGET,
+                    **chunk_args)}
+for e in chunkers.values():          # warm-up
+    run_llmlab(e, warm[:2])
+chunk_rounds = {k: [run_llmlab(e, long_part) for _ in range(ROUNDS)] for k, e in chunkers.items()}
+WHOLE, CHUNKED = chunkers
+print(f"{len(long_part)} requests: prompts {[len(r.prompt_token_ids) for r in long_part]} tokens, "
+      f"outputs {[r.output_tokens for r in long_part]}")
+chunk_cost = {}
+for name, runs in chunk_rounds.items():
+    sums = [summarize(r["metrics"], r["wall_s"]) for r in runs]
+    pick = lambda key: sorted(s[key] for s in sums)[ROUNDS // 2]
+    biggest = max(st.prefill_tokens + st.decode_tokens for st in runs[-1]["stats"].steps)
+    chunk_cost[name] = fit_step_cost(r["stats"] for r in runs)
+    print(f"{name:34s} {pick('tokens_per_s'):5.1f} tok/s   TPOT p90 {pick('tpot_p90_s') * 1e3:4.0f} ms"
+          f"   TTFT mean {pick('ttft_mean_s'):5.2f} s   largest step {biggest:3d} tokens   "
+          f"(medians of {ROUNDS} rounds)")
+print("same tokens as without chunks:", chunk_rounds[CHUNKED][-1]["tokens"] == chunk_rounds[WHOLE][-1]["tokens"])
+for name, c in chunk_cost.items():
+    print(f"{name:34s} step ≈ {c.fixed_ms:5.1f} ms + {c.per_row_ms:4.2f} ms per decoding row + "
+          f"{c.per_prompt_token_ms:4.2f} ms per prompt token ({c.num_steps} steps)")
+per_token = {k: c.per_prompt_token_ms for k, c in chunk_cost.items()}
+fig = plot_step_times({"continuous": chunk_rounds[WHOLE][-1]["stats"],
+                       f"chunked, {BUDGET} tokens/step": chunk_rounds[CHUNKED][-1]["stats"]},
+                      title=f"SmolLM2-135M, {len(long_part)} long prompts, 2 seats, last round "
+                            f"({device_name()})")
+chunk_step = chunk_cost[CHUNKED].predict_ms(1, BUDGET - 1)
+display(Markdown(
+    f"With chunks no step feeds more than {BUDGET} tokens, so no decoding request waits for a "
+    f"whole long prompt. But a prompt token costs {per_token[CHUNKED]:.2f} ms in a chunk and "
+    f"{per_token[WHOLE]:.2f} ms in a whole-prompt step: chunking "
+    f"{'makes it no cheaper' if per_token[CHUNKED] >= 0.8 * per_token[WHOLE] else 'made it cheaper here'}. "
+    f"A step of one decode and a {BUDGET - 1}-token chunk costs about {chunk_step:.0f} ms, "
+    f"{chunk_step / chunk_cost[CHUNKED].predict_ms(1):.1f}× a pure one-row decode step, and more "
+    "steps now carry a share of the prompt."))
+assert per_token[CHUNKED] >= 0.8 * per_token[WHOLE], "a chunked prompt token came out cheaper"
 
 # %% [markdown]
-# With chunks no step feeds more than 64 tokens (the printed largest step): no decoding request
-# waits for a whole long prompt any more. Now compare the throughput and the TPOT of the two.
-#
 # ### Exercise 5 (explain): chunks on a CPU
 #
-# On this CPU chunked prefill does not lower TPOT and costs throughput. Why? Answer with a letter.
-#
-# - (a) Chunking does not make prompt tokens cheaper, it only moves them into more steps. It pays
-#   where a decode step has spare compute (a memory-bound step far below the ridge point, as on a
-#   GPU), so prompt tokens ride along almost free; here every prompt token costs its full compute.
-# - (b) Each chunk recomputes the chunks before it.
-# - (c) Chunking changes the tokens, so the runs are not comparable.
-# - (d) Chunks need a smaller block size, which makes attention slower.
+# Compare the two rows above: the largest step, the TPOT, the throughput, and what a prompt token
+# costs in each.
+
+# %%
+exercises.ask("nb05.explain_chunking")
 
 # %%
 my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 exercises.check("nb05.explain_chunking", my_choice)
 
 # %% [markdown]
-# Notebook 02's roofline says why. A decode step is memory-bound only while the batch is a handful
-# of rows: reading the weights costs the same for 1 row or 4. Sixty prompt tokens added to that
-# step are not free on this CPU; they cost their full compute, so every chunk step is slower than
-# a pure decode step, and the prompt's cost is spread over more of everyone's tokens instead of
-# being paid once. On a GPU the ridge point is hundreds of FLOPs per byte: a decode step of 32 rows
-# is far below it, and a few hundred prompt tokens ride along almost for free. That is the regime
-# chunked prefill was made for, and why a CPU engine may leave it off.
+# Chunked prefill was made for a GPU. There a decode step of a few dozen rows is far below the ridge
+# point (hundreds of FLOPs per byte, notebook 02): its time is the weight read, and a few hundred
+# prompt tokens added to it ride along almost for free (Agrawal et al. measure this as the
+# "piggybacking" of decodes on prefill chunks). On a CPU whose ridge point is a dozen FLOPs per
+# byte, the fitted cost per prompt token above is what every chunk pays, so a CPU engine may leave
+# chunking off.
 #
 # ### Throughput against latency as the load grows
 #
@@ -458,7 +520,9 @@ exercises.check("nb05.prefix_aware", prefix_aware)
 #
 # * A static batch runs as long as its longest request; iteration-level scheduling (Orca) gives a
 #   finished seat to the next request at the very next forward pass.
-# * Packing prompts by `cu_seqlens` spends compute only on real tokens; padding is pure waste.
+# * A decode step costs mostly its weight read, so the gain is counted in iterations: every
+#   waiting request seated in a step that runs anyway. Packing (`cu_seqlens`) keeps pads out of
+#   the prompts.
 # * With a paged cache, running out of blocks is not an error: preempt, free, recompute later.
 #
 # ## Further reading

@@ -90,12 +90,12 @@ exercises.check("nb05.cu_seqlens", cu_seqlens)
 # %% [markdown]
 # ### Exercise 5: chunks on a CPU
 #
-# (a): chunking moves prompt tokens into more steps without making them cheaper; it pays only
+# (d): chunking moves prompt tokens into more steps without making them cheaper; it pays only
 # where a decode step has compute to spare.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb05.explain_chunking", "a")
+exercises.check("nb05.explain_chunking", "d")
 
 # %% [markdown]
 # ### Exercise 6: static iterations
