@@ -1,5 +1,5 @@
 """A FlashAttention forward kernel in Triton whose inner loop the student writes
-(notebook 03, stretch exercise ``nb03.flash_triton_inner_loop``).
+(notebook 03b, stretch exercise ``nb03.flash_triton_inner_loop``).
 
 The skeleton kernel does everything around the online softmax: from its program ids it
 finds its block of ``BLOCK_M`` query rows and its (sequence, query head), computes the

@@ -1,10 +1,14 @@
 """Exercises of notebook 01 (the baseline, and where the time goes).
 
-- ``nb01.naive_attention`` (build): textbook attention with grouped-query heads and a
-  bottom-right causal mask; registered as a backend and run inside SmolLM2.
+- ``nb01.naive_attention`` (build): textbook attention with grouped-query heads, a
+  bottom-right causal mask and a numerically stable softmax written by hand; registered as
+  a backend and run inside SmolLM2. While the student's code runs on the small cases,
+  llmlab's own attention functions and torch's fused attention and softmax raise
+  (:func:`forbid_torch`, :func:`llmlab.exercises.forbid`).
 - ``nb01.token_passes``, ``nb01.score_bytes`` (compute): the cost of the baseline by hand.
 - ``nb01.predict_memory_growth`` (predict): how naive attention's peak memory grows with N.
-- ``nb01.explain_compute_bound`` (explain): why a no-cache step is compute-bound.
+- ``nb01.explain_compute_bound`` (explain): why a no-cache step turns compute-bound as the
+  sequence grows.
 - ``nb01.padded_attention`` (stretch): the same attention with a key-padding mask, run on
   a left-padded batch.
 
@@ -14,13 +18,15 @@ into a backend of :mod:`llmlab.attention`, whose tensors are ``[batch, seq, head
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable
 
 import torch
 
-from . import Verdict, choice_verdict, compare_tensors, exercise, number_verdict, right, wrong
+from . import (Verdict, choice_verdict, compare_tensors, exercise, forbid, number_verdict, right,
+               wrong)
 
 NOTEBOOK = "01_baseline_where_time_goes"
 PROMPT = "The three laws of thermodynamics are"
@@ -116,6 +122,57 @@ def _run_model_with(forward: Callable, prompts: list[list[int]], new_tokens: int
 
 # ---- naive_attention ---------------------------------------------------------------------------
 
+class TorchAnswer(Exception):
+    """Raised (by :func:`forbid_torch`) when the student's code calls a torch function that
+    does the exercise's job: ``what`` names it."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@contextlib.contextmanager
+def forbid_torch(*, softmax: bool = False):
+    """Inside the block, torch's fused attention (``torch.nn.functional.
+    scaled_dot_product_attention``) raises :class:`TorchAnswer`, and with ``softmax=True``
+    so does every softmax of torch (``torch.softmax``, ``F.softmax``, ``Tensor.softmax``,
+    ``torch.special.softmax``, ``nn.Softmax``, ``log_softmax``).
+
+    A builtin's code cannot be swapped as :func:`llmlab.exercises.forbid` does for Python
+    functions, and a student may hold it under another name (``from torch.nn.functional
+    import scaled_dot_product_attention as sdpa``), so the calls are caught where every
+    such name ends up: a :class:`torch.overrides.TorchFunctionMode`."""
+    from torch.overrides import TorchFunctionMode
+
+    class _Guard(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "scaled_dot_product_attention":
+                raise TorchAnswer("fused attention `torch.nn.functional."
+                                  "scaled_dot_product_attention`")
+            if softmax and "softmax" in name:
+                raise TorchAnswer(f"softmax (`{name}`)")
+            return func(*args, **(kwargs or {}))
+
+    with _Guard():
+        yield
+
+
+def library_attention() -> tuple[Callable, ...]:
+    """llmlab's own dense attention functions: a build's checker forbids them."""
+    from ..attention import naive_attention, sdpa_attention
+    from ..attention.flash import flash_attention, flash_attention_varlen, flash_triton_attention
+
+    return (naive_attention, sdpa_attention, flash_attention, flash_attention_varlen,
+            flash_triton_attention)
+
+
+def _stable_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last axis from exp, max and sum (the checkers' own, guard-free)."""
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
 def _solution_naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               causal: bool = True) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
@@ -127,11 +184,16 @@ def _solution_naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         i = torch.arange(n_q, device=q.device)[:, None]
         j = torch.arange(n_k, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + (n_k - n_q), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    # softmax is unchanged by a shift of its row: after subtracting the row's max every
+    # exp is <= 1, so no score overflows float32 (exp(89) already does)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights @ v
 
 
 def _attention_variant(q, k, v, causal=True, *, scale=True, mask=True, top_left=False,
-                       modulo=False, always_causal=False):
+                       modulo=False, always_causal=False, unstable=False):
     """Attention with one known mistake switched on (for the checker's diagnosis)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     idx = (torch.arange(heads) % kv_heads if modulo
@@ -146,7 +208,38 @@ def _attention_variant(q, k, v, causal=True, *, scale=True, mask=True, top_left=
         j = torch.arange(n_k)[None, :]
         shift = 0 if top_left else n_k - n_q
         scores = scores.masked_fill(j > i + shift, float("-inf"))
+    if unstable:                                     # exp of the raw scores: overflows
+        e = torch.exp(scores)
+        return e / e.sum(dim=-1, keepdim=True) @ v
+    return _stable_softmax(scores) @ v
+
+
+def _with_torch_softmax(q, k, v, causal=True):
+    """The formula with torch.softmax: right numbers, but the softmax is the build's."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = q.shape[2], k.shape[2]
+        keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        scores = scores.masked_fill(~keep, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def _wraps_llmlab_naive(q, k, v, causal=True):
+    """llmlab's own naive backend between two transposes."""
+    from ..attention import naive_attention
+
+    return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           causal=causal).transpose(1, 2)
+
+
+def _wraps_torch_sdpa(q, k, v, causal=True):
+    """torch's fused attention with the KV heads repeated (top-left causal: a second bug)."""
+    group = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+        is_causal=causal)
 
 
 _ATTENTION_MISTAKES = (
@@ -164,31 +257,55 @@ _ATTENTION_MISTAKES = (
      "head h reads KV head h // (heads // kv_heads) (torch.repeat_interleave along dim 1)."),
     (dict(always_causal=True), "with causal=False your output is still causally masked.",
      "apply the mask only when causal is True."),
+    (dict(unstable=True), "your softmax overflows: these scores reach about {top:.0f}, and "
+     "exp of anything above 88.7 is inf in float32, so the rows come out as inf / inf = NaN.",
+     "softmax is unchanged when a row is shifted: subtract each row's max "
+     "(scores.amax(dim=-1, keepdim=True)) before exp, so every exp is at most 1."),
 )
 
 
 def _check_attention_cases(fn, padded: bool) -> Verdict | None:
-    """The small-tensor cases: shape, then value, diagnosing the known mistakes."""
+    """The small-tensor cases: shape, then value, diagnosing the known mistakes. The last
+    case has scores near ±100, which an exp without the max subtracted overflows.
+
+    The student's calls run with llmlab's own attention functions and torch's fused
+    attention forbidden (and, for the main build, torch's softmax): calling one comes back
+    as a verdict that names it."""
     g = torch.Generator().manual_seed(1)
-    cases = [(2, 4, 2, 6, 6, True), (1, 4, 2, 3, 8, True), (1, 2, 2, 5, 5, False)]
-    for b, h, kv, n_q, n_k, causal in cases:
+    cases = [(2, 4, 2, 6, 6, True, 1.0), (1, 4, 2, 3, 8, True, 1.0), (1, 2, 2, 5, 5, False, 1.0),
+             (1, 2, 1, 3, 7, True, 40.0)]
+    for b, h, kv, n_q, n_k, causal, spread in cases:
         d = 16
-        q = torch.randn(b, h, n_q, d, generator=g)
+        q = torch.randn(b, h, n_q, d, generator=g) * spread
         k = torch.randn(b, kv, n_k, d, generator=g)
         v = torch.randn(b, kv, n_k, d, generator=g)
         where = f"(batch={b}, heads={h}, kv_heads={kv}, n_q={n_q}, n_k={n_k}, causal={causal})"
-        if padded:
-            got = fn(q, k, v, torch.ones(b, n_k, dtype=torch.bool), causal=causal)
-        else:
-            got = fn(q, k, v, causal=causal)
+        try:
+            with forbid(*library_attention()), forbid_torch(softmax=not padded):
+                if padded:
+                    got = fn(q, k, v, torch.ones(b, n_k, dtype=torch.bool), causal=causal)
+                else:
+                    got = fn(q, k, v, causal=causal)
+        except TorchAnswer as exc:
+            job = ("the softmax, which this build asks you to write from exp, max and sum"
+                   if "softmax" in exc.what else "all of attention at once, which is what "
+                   "this build asks you to write")
+            return wrong(f"your answer calls torch's {exc.what}: it does {job}.",
+                         "write it from plain tensor operations (@, masked_fill, amax, exp, "
+                         "sum); the notebook's formula above has every piece.")
         want = _solution_naive_attention(q, k, v, causal)
         problem = compare_tensors(got, want, f"the output {where}", atol=1e-5)
         if problem is None:
             continue
         if isinstance(got, torch.Tensor) and got.shape == want.shape:
+            top = float((q @ k.repeat_interleave(h // kv, dim=1).transpose(-1, -2)).abs().max()
+                        / math.sqrt(d))
             for flags, msg, hint in _ATTENTION_MISTAKES:
-                if torch.allclose(got, _attention_variant(q, k, v, causal, **flags), atol=1e-5):
-                    return wrong(f"{where}: {msg}", hint)
+                if flags.get("unstable") and padded:
+                    continue
+                other = _attention_variant(q, k, v, causal, **flags)
+                if torch.allclose(got, other, atol=1e-5, equal_nan=True):
+                    return wrong(f"{where}: {msg.format(top=top)}", hint)
         return wrong(problem, "softmax(Q Kᵀ / √d + causal mask) V, with query head h reading KV "
                               "head h // (heads // kv_heads); return [batch, heads, n_q, d].")
     return None
@@ -196,7 +313,7 @@ def _check_attention_cases(fn, padded: bool) -> Verdict | None:
 
 @exercise("nb01.naive_attention", notebook=NOTEBOOK, kind="build",
           title="naive_attention(q, k, v, causal=True): grouped-query, bottom-right causal, "
-                "1/√d; runs inside SmolLM2",
+                "1/√d, a stable softmax by hand; runs inside SmolLM2",
           solution=_solution_naive_attention,
           wrong_variants={
               "missing causal mask": (functools.partial(_attention_variant, mask=False),
@@ -207,6 +324,13 @@ def _check_attention_cases(fn, padded: bool) -> Verdict | None:
               "head h reads KV head h % kv_heads": (functools.partial(_attention_variant,
                                                                       modulo=True),
                                                     ("h % kv_heads", "h // (heads // kv_heads)")),
+              "softmax without the max subtracted": (functools.partial(_attention_variant,
+                                                                       unstable=True),
+                                                     ("overflows", "max")),
+              "torch.softmax": (_with_torch_softmax, ("torch's softmax", "exp, max and sum")),
+              "wraps llmlab's naive backend": (_wraps_llmlab_naive, ("llmlab's own",
+                                                                     "naive_attention")),
+              "wraps torch's fused attention": (_wraps_torch_sdpa, ("torch's fused attention",)),
           })
 def _check_naive_attention(fn, **_) -> Verdict:
     verdict = _check_attention_cases(fn, padded=False)
@@ -217,8 +341,8 @@ def _check_naive_attention(fn, **_) -> Verdict:
     if problem:
         return wrong(f"the small cases pass, but inside SmolLM2: {problem}",
                      "check the dtype and that you do not modify q, k or v in place.")
-    return right("small cases (GQA, n_q < n_k, causal and not) match, and SmolLM2 runs with "
-                 f"your attention as a backend: {summary}.")
+    return right("small cases (GQA, n_q < n_k, causal and not, scores near ±100) match, and "
+                 f"SmolLM2 runs with your attention as a backend: {summary}.")
 
 
 # ---- compute: the cost of the baseline ---------------------------------------------------------
@@ -301,30 +425,42 @@ def _check_predict_memory_growth(answer, measured: float | None = None, **_) -> 
                  f"{why}", "count the elements of the largest tensor the call creates.")
 
 
-# ---- explain: why a no-cache step is compute-bound --------------------------------------------
+# ---- explain: why a no-cache step turns compute-bound -----------------------------------------
 
-_COMPUTE_BOUND_CHOICES = {
-    "a": "A forward over L tokens streams each weight matrix from memory once and uses "
-         "every weight for all L rows of the [L, hidden] input; the weights are not read L times.",
-    "b": "Each 4-byte weight read from memory does 2·L FLOPs (a multiply and an add per "
-         "token), so the step's intensity is about L/2 FLOP/byte; past this machine's ridge "
-         "point (a few to a few tens of FLOP/byte) the arithmetic, not the weight reads, sets "
-         "the time, and the step time grows in proportion to L.",
-    "c": "At these lengths attention is a minority of the time (the parts plot); its L² "
-         "term grows faster but is small next to L × (the 135M weights) until L is in the "
-         "thousands.",
-    "d": "Python and launch overhead are a fixed cost per step; they do not grow with L, "
-         "and the measured step time does.",
+COMPUTE_BOUND_CHOICES = {
+    "a": "The step reads every weight matrix once per token of the sequence, so its bytes grow "
+         "faster than its FLOPs.",
+    "b": "Attention's L × L score matrix makes up most of the step's FLOPs from the first "
+         "tokens on.",
+    "c": "Python and dispatch overhead grow with the number of tokens in the sequence.",
+    "d": "Each weight is read once and used for all L tokens, so FLOPs per byte grow like L.",
+}
+
+_COMPUTE_BOUND_EXPLANATIONS = {
+    "a": "A forward over L tokens streams each weight matrix from memory once and multiplies "
+         "it with all L rows of the [L, hidden] input: the weights are read once, not L times "
+         "(the roofline model's bytes hardly change with L).",
+    "b": "At these lengths attention is a minority of the time (the parts plot below): its "
+         "L² term grows faster, but stays small next to L × the 135M weights until L is in "
+         "the thousands.",
+    "c": "Python and dispatch overhead are paid per operator call, and a forward makes the "
+         "same calls whatever L is: a fixed cost per step, part of the fit's intercept (the "
+         "overhead cell below measures it).",
+    "d": "Each 4-byte weight read from memory does 2·L FLOPs (a multiply and an add per "
+         "token), about L/2 FLOP per byte. Past the ridge point the arithmetic, not the "
+         "weight reads, sets the time: the step costs a fixed part (the weights streamed "
+         "once, plus the overhead per step) and a part per token (the fitted slope).",
 }
 
 
 @exercise("nb01.explain_compute_bound", notebook=NOTEBOOK, kind="explain",
-          title="explain: why is a no-cache step over ~100 tokens compute-bound?",
-          solution="b",
+          title="explain: why does a no-cache step turn compute-bound as the sequence grows?",
+          solution="d", choices=COMPUTE_BOUND_CHOICES,
           wrong_variants={"weights read L times": ("a", ("once",)),
-                          "attention dominates": ("c", ("minority",))})
+                          "attention dominates": ("b", ("minority",)),
+                          "overhead grows": ("c", ("fixed cost",))})
 def _check_explain_compute_bound(answer, **_) -> Verdict:
-    return choice_verdict(answer, "b", _COMPUTE_BOUND_CHOICES)
+    return choice_verdict(answer, "d", _COMPUTE_BOUND_EXPLANATIONS)
 
 
 # ---- stretch: attention with a key-padding mask -----------------------------------------------

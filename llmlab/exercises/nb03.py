@@ -4,13 +4,15 @@
   sum and accumulator.
 - ``nb03.flash_forward`` (build): the tiled forward with the online softmax, checked
   against the textbook formula at ragged lengths, for peak memory linear in N, and inside
-  SmolLM2 as an attention backend.
+  SmolLM2 as an attention backend. While the student's code runs, llmlab's own attention
+  functions (and its online-softmax step) and torch's fused attention raise.
 - ``nb03.predict_peak_memory`` (predict): how many times more memory naive needs.
 - ``nb03.explain_loop_order`` (explain): why FlashAttention-2 swapped the loops.
-- ``nb03.smallest_block_q``, ``nb03.skipped_tiles`` (compute): the HBM-traffic model and
+- ``nb03.break_even_block_q``, ``nb03.skipped_tiles`` (compute): the HBM-traffic model and
   the causal block schedule.
-- ``nb03.flash_triton_inner_loop`` (build, stretch): the inner loop of a Triton kernel,
-  registered only where Triton is installed (see :mod:`llmlab.exercises.flash_triton_skeleton`).
+- ``nb03.flash_triton_inner_loop`` (build, stretch; notebook 03b): the inner loop of a Triton
+  kernel, registered only where Triton is installed (see
+  :mod:`llmlab.exercises.flash_triton_skeleton`).
 
 Shapes of the student's attention functions follow notebook 01: q [batch, heads, n_q, d],
 k and v [batch, kv_heads, n_k, d]; query head h reads KV head h // (heads // kv_heads); the
@@ -24,13 +26,22 @@ from typing import Callable
 
 import torch
 
-from . import (choice_verdict, compare_tensors, exercise, first_token_difference, right,
-               wrong)
+from . import (choice_verdict, compare_tensors, exercise, first_token_difference, forbid,
+               number_verdict, right, wrong)
 from ..attention.flash import CAUSAL_SKIPPED, block_schedule, online_softmax_update
 from ..device import has_triton
 from ..profiling.hbm import standard_attention_hbm, tiled_attention_hbm
+from .nb01 import TorchAnswer, forbid_torch, library_attention
 
 NB = "03_flash_attention"
+NB_GPU = "03b_flash_attention_on_gpu"     # the optional GPU half: the Triton stretch
+
+
+def _torch_answer(exc: TorchAnswer):
+    return wrong(f"your answer calls torch's {exc.what}: it does all of attention at once, "
+                 "which is what this build asks you to write tile by tile.",
+                 "loop over blocks of queries and keys with plain tensor operations (@, "
+                 "masked_fill, amax, exp, sum) and your online-softmax step.")
 
 
 # ---- a reference in float64 (and the mistakes it can imitate, to name them) ---------------
@@ -104,21 +115,35 @@ def _step_block_max_only(m, l, acc, scores, v_block):
     return m_new, alpha * l + p.sum(dim=-1), alpha[:, None] * acc + p @ v_block
 
 
+def _solution_online_softmax_step(m, l, acc, scores, v_block):
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    alpha = torch.exp(m - m_new)                  # shrinks what was summed against the old max
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, alpha * l + p.sum(dim=-1), alpha[:, None] * acc + p @ v_block
+
+
+def _step_wraps_llmlab(m, l, acc, scores, v_block):
+    return online_softmax_update(m, l, acc, scores, v_block)
+
+
 @exercise("nb03.online_softmax_step", notebook=NB, kind="build",
           title="one online-softmax step: fold a block of scores into (m, l, acc)",
-          solution=online_softmax_update,
+          solution=_solution_online_softmax_step,
           wrong_variants={
               "l not rescaled": (_step_no_l_rescale, ("l_new", "exp(m - m_new)")),
               "acc not rescaled": (_step_no_acc_rescale, ("acc_new", "exp(m - m_new)")),
               "block max instead of running max": (_step_block_max_only, ("m_new", "larger")),
+              "wraps llmlab's step": (_step_wraps_llmlab, ("llmlab's own",
+                                                           "online_softmax_update")),
           })
 def _check_online_softmax_step(step: Callable) -> object:
     m, l, acc, s, v = _step_cases()
-    got = step(m.clone(), l.clone(), acc.clone(), s.clone(), v.clone())
+    want = online_softmax_update(m, l, acc, s, v)
+    with forbid(online_softmax_update):
+        got = step(m.clone(), l.clone(), acc.clone(), s.clone(), v.clone())
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         return wrong(f"your step returned {type(got).__name__}; it should return a tuple "
                      "(m_new, l_new, acc_new).", "end with `return m_new, l_new, acc_new`.")
-    want = online_softmax_update(m, l, acc, s, v)
     hints = {
         "m_new": "m_new is the larger of the old running max and this block's row max "
                  "(torch.maximum(m, scores.amax(dim=-1))).",
@@ -217,11 +242,45 @@ def _flawed_flash_forward(q, k, v, block_m, block_n, causal=True, *, mistake: st
 
 
 def _naive_forward(q, k, v, block_m, block_n, causal=True):
-    """Notebook 01's naive attention with this exercise's signature (the blocks unused)."""
+    """llmlab's naive attention with this exercise's signature (the blocks unused)."""
     from ..attention import naive_attention
 
     return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                            causal=causal).transpose(1, 2)
+
+
+def _flash_wrapper(q, k, v, block_m, block_n, causal=True):
+    """llmlab's own tiled forward between two transposes (blocks rounded to powers of two)."""
+    from ..attention.flash import flash_attention
+
+    return flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           causal=causal).transpose(1, 2)
+
+
+def _sdpa_forward(q, k, v, block_m, block_n, causal=True):
+    """torch's fused attention with the KV heads repeated."""
+    group = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+        is_causal=causal)
+
+
+def _materialized_tile_loop(q, k, v, block_m, block_n, causal=True):
+    """The student's own dense attention, then a loop that copies it out block by block:
+    the right numbers, N×N memory."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = q.shape[2], k.shape[2]
+        keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    out = torch.empty_like(q)
+    for i0 in range(0, q.shape[2], block_m):
+        w = e[..., i0:i0 + block_m, :]
+        out[..., i0:i0 + block_m, :] = (w / w.sum(-1, keepdim=True)) @ vv
+    return out
 
 
 # (name, n_q, n_k, block_m, block_n, causal): each case adds one difficulty to the last
@@ -375,9 +434,37 @@ def run_in_model(fn: Callable, model=None, tokenizer=None, block_m: int = 8, blo
               "materializes the full score matrix": (
                   functools.partial(_flawed_flash_forward, mistake="full scores"),
                   ("N×N", "materializ")),
-              "naive attention": (_naive_forward, ("N×N", "materializ")),
+              "dense attention cut into row blocks": (_materialized_tile_loop,
+                                                      ("N×N", "materializ")),
+              "wraps llmlab's naive attention": (_naive_forward, ("llmlab's own",
+                                                                  "naive_attention")),
+              "wraps llmlab's flash_attention": (_flash_wrapper, ("llmlab's own",
+                                                                  "flash_attention")),
+              "wraps torch's fused attention": (_sdpa_forward, ("torch's fused attention",)),
           })
 def _check_flash_forward(fn: Callable, model=None, tokenizer=None) -> object:
+    try:    # the student's calls on the small cases; the model's own run comes after
+        with forbid(*library_attention(), online_softmax_update), forbid_torch():
+            verdict, slope = _check_flash_forward_cases(fn)
+    except TorchAnswer as exc:
+        return _torch_answer(exc)
+    if verdict is not None:
+        return verdict
+    run = run_in_model(fn, model, tokenizer)
+    diff = first_token_difference(run["tokens"], run["reference"])
+    if diff or run["max_logit_error"] > 1e-3:
+        return wrong(f"inside SmolLM2: {diff or 'same tokens'}; max |Δ logits| = "
+                     f"{run['max_logit_error']:.2g} (allowed 1e-3).",
+                     "the small cases pass, so look at what the model adds: float32 inputs, "
+                     "9 query heads over 3 KV heads, head_dim 64.")
+    return right(f"exact at ragged lengths and blocks that do not divide N (5 cases, max "
+                 f"|error| < {_ATOL:g}); peak memory grows as N^{slope:.2f}, not N²; SmolLM2 "
+                 f"with your attention generates the same {len(run['tokens'])} greedy tokens "
+                 f"as naive (max |Δ logits| = {run['max_logit_error']:.1e}).")
+
+
+def _check_flash_forward_cases(fn: Callable):
+    """(a failing verdict or None, the fitted peak-memory exponent)."""
     for case in _CASES:
         name, n_q, n_k, block_m, block_n, causal = case
         q, k, v = _qkv(n_q, n_k)
@@ -390,7 +477,8 @@ def _check_flash_forward(fn: Callable, model=None, tokenizer=None) -> object:
             if not hint:
                 hint = "return [batch, heads, n_q, d], the shape of q."
             return wrong(f"case '{name}' (n_q={n_q}, n_k={n_k}, block_m={block_m}, "
-                         f"block_n={block_n}, causal={causal}): {problem} {what}".rstrip(), hint)
+                         f"block_n={block_n}, causal={causal}): {problem} {what}".rstrip(),
+                         hint), None
     slope, peaks = _peak_exponent(fn)
     if slope > 1.5:
         return wrong(f"the output is right, but peak memory grows as N^{slope:.2f} "
@@ -398,18 +486,8 @@ def _check_flash_forward(fn: Callable, model=None, tokenizer=None) -> object:
                      "N=1024): your function materializes something of size N×N (the full "
                      "score matrix, the probabilities, or a full mask).",
                      "only ever hold one [block_m, block_n] tile of scores; build the causal "
-                     "mask per tile from torch.arange.")
-    run = run_in_model(fn, model, tokenizer)
-    diff = first_token_difference(run["tokens"], run["reference"])
-    if diff or run["max_logit_error"] > 1e-3:
-        return wrong(f"inside SmolLM2: {diff or 'same tokens'}; max |Δ logits| = "
-                     f"{run['max_logit_error']:.2g} (allowed 1e-3).",
-                     "the small cases pass, so look at what the model adds: float32 inputs, "
-                     "9 query heads over 3 KV heads, head_dim 64.")
-    return right(f"exact at ragged lengths and blocks that do not divide N (5 cases, max "
-                 f"|error| < {_ATOL:g}); peak memory grows as N^{slope:.2f}, not N²; SmolLM2 "
-                 f"with your attention generates the same {len(run['tokens'])} greedy tokens "
-                 f"as naive (max |Δ logits| = {run['max_logit_error']:.1e}).")
+                     "mask per tile from torch.arange."), slope
+    return None, slope
 
 
 # ---- predict, explain, compute ---------------------------------------------------------------
@@ -457,19 +535,25 @@ def _check_predict_peak_memory(answer, measured: float | None = None) -> object:
                  "count the bytes of the largest tensors each one keeps alive at once.")
 
 
-_LOOP_CHOICES = {
+LOOP_CHOICES = {
+    "a": "It does fewer FLOPs: the tiles above the diagonal are never computed.",
+    "b": "It stops K and V from being re-read from HBM for every block of queries.",
+    "c": "Query blocks become independent programs that each own their rows of O.",
+    "d": "Triton cannot express a loop order that has the K and V blocks in the outer loop.",
+}
+
+_LOOP_EXPLANATIONS = {
     "a": "No: the loop order does not change the arithmetic. Both orders compute every "
-         "visible Br×Bc tile once; the FLOPs are the same.",
-    "b": "Yes. With the outer loop over query blocks, each query block is an independent "
+         "visible Br×Bc tile once and skip the same tiles above the diagonal; the FLOPs are "
+         "the same.",
+    "b": "No: in FlashAttention-2's order K and V are re-read once per query block, "
+         "Θ(N²·d/Br) bytes; FlashAttention-1's order re-reads Q and O instead, Θ(N²·d/Bc). "
+         "Neither order removes the N²·d term.",
+    "c": "Yes. With the outer loop over query blocks, each query block is an independent "
          "program, so the GPU has (N/Br)·batch·heads of them to spread over its SMs even when "
          "batch × heads is small (long sequences); each program owns its rows of O, so the "
          "partial output never goes back to HBM for a read-modify-write between key blocks; "
-         "and the division by ℓ happens once at the end instead of after every key block. "
-         "The score tile and the accumulator stay in registers throughout.",
-    "c": "No: in FlashAttention-2's order K and V are re-read once per query block, "
-         "Θ(N²·d/Br) bytes; FlashAttention-1's order re-reads Q and O instead, Θ(N²·d/Bc). "
-         "Neither order removes the N²·d term; the swap was about parallelism and work "
-         "partitioning (the title of the FlashAttention-2 paper).",
+         "and the division by ℓ happens once at the end instead of after every key block.",
     "d": "No: Triton (and CUDA) can express either loop order; FlashAttention-1 itself was "
          "written in CUDA with the outer loop over K/V blocks.",
 }
@@ -477,42 +561,44 @@ _LOOP_CHOICES = {
 
 @exercise("nb03.explain_loop_order", notebook=NB, kind="explain",
           title="explain: why did FlashAttention-2 put the query blocks in the outer loop?",
-          solution="b",
+          solution="c", choices=LOOP_CHOICES,
           wrong_variants={"fewer FLOPs": ("a", ("FLOPs",)),
-                          "no re-reads": ("c", ("Θ(N²·d/Br)",))})
+                          "no re-reads": ("b", ("Θ(N²·d/Br)",)),
+                          "Triton": ("d", ("either loop order",))})
 def _check_explain_loop_order(answer) -> object:
-    return choice_verdict(answer, "b", _LOOP_CHOICES)
+    return choice_verdict(answer, "c", _LOOP_EXPLANATIONS)
 
 
-def smallest_block_q_answer(n: int = 4096, d: int = 64) -> int:
-    """The smallest power-of-two Br for which the FlashAttention-2 loop moves fewer modelled
-    HBM bytes than standard attention (non-causal, Bc = 64)."""
-    br = 1
-    while tiled_attention_hbm(n, d, br, 64).total >= standard_attention_hbm(n, d).total:
-        br *= 2
-    return br
+BREAK_EVEN_N, BREAK_EVEN_D = 4096, 128
 
 
-@exercise("nb03.smallest_block_q", notebook=NB, kind="compute",
-          title="when does tiling pay in bytes? the smallest Br (N=4096, d=64)",
-          solution=32,
-          wrong_variants={"too small": (16, ("re-read",)), "too big": (64, ("halving",))})
-def _check_smallest_block_q(answer) -> object:
-    want = smallest_block_q_answer()
-    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
-        return wrong(f"the answer should be a power of two such as 16, got {answer!r}.",
-                     "try tiled_attention_hbm(4096, 64, Br, 64).total for a few Br.")
-    if answer == want:
-        return right(f"Br = {want}: K and V are read N/Br times, 2·N²·d/Br elements, which "
-                     "beats the 4·N² of the score matrix once Br > d/2.")
-    if answer > want:
-        return wrong(f"Br = {answer} works, but a smaller one already does.", "try halving it.")
-    t = tiled_attention_hbm(4096, 64, answer, 64).total
-    s = standard_attention_hbm(4096, 64).total
-    return wrong(f"with Br = {answer} the tiled loop moves {t / s:.2f}× the bytes of standard "
-                 "attention: K and V are re-read N/Br times.",
-                 "compare tiled_attention_hbm(4096, 64, Br, 64).total with "
-                 "standard_attention_hbm(4096, 64).total.")
+def break_even_block_q(d: int = BREAK_EVEN_D) -> int:
+    """The Br at which FlashAttention-2's K/V re-reads, 2·N²·d/Br elements per head, equal
+    the 4·N² elements standard attention moves for S and P (the N·d terms left out): d/2."""
+    return d // 2
+
+
+@exercise("nb03.break_even_block_q", notebook=NB, kind="compute",
+          title="when does tiling pay in bytes? the break-even Br at d = 128",
+          solution=break_even_block_q(),
+          wrong_variants={"Br = d": (128, ("K and V",)), "d/4": (32, ("solve",)),
+                          "2·d": (256, ("solve",))})
+def _check_break_even_block_q(answer, d: int = BREAK_EVEN_D, n: int = BREAK_EVEN_N) -> object:
+    want = break_even_block_q(d)
+    std = standard_attention_hbm(n, d).total
+    ratios = ", ".join(f"Br = {br}: {tiled_attention_hbm(n, d, br, 64).total / std:.2f}×"
+                       for br in (want // 2, want, 2 * want))
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and answer == d:
+        return wrong(f"Br = {answer} counts one re-read tensor: K and V are both re-read once "
+                     "per query block, 2·N·d elements per pass, so the re-reads are 2·N²·d/Br.",
+                     "set 2·N²·d/Br equal to 4·N² and solve for Br.")
+    return number_verdict(answer, want, good=(
+        f"Br = d/2 = {want}: below it the K/V re-reads, 2·N²·d/Br, outweigh the 4·N² elements "
+        f"of S and P that standard attention writes and reads; above it tiling moves fewer "
+        f"bytes. The model at N = {n}, d = {d}, tiled ÷ standard: {ratios} (the N·d terms put "
+        "break-even itself a hair under 1). Real kernels use Br of 64 to 128, at or past this "
+        "point, and gain the rest from never writing S and P."),
+        hint="solve 2·N²·d/Br = 4·N² for Br (N cancels).")
 
 
 @exercise("nb03.skipped_tiles", notebook=NB, kind="compute",
@@ -536,7 +622,7 @@ if has_triton():
     from .flash_triton_skeleton import (check_inner_loop as _check_inner_loop,
                                         solution_inner_loop, wrong_inner_loops)
 
-    exercise("nb03.flash_triton_inner_loop", notebook=NB, kind="build", stretch=True,
+    exercise("nb03.flash_triton_inner_loop", notebook=NB_GPU, kind="build", stretch=True,
              title="the online-softmax inner loop of a Triton FlashAttention kernel",
              solution=solution_inner_loop,
              wrong_variants=wrong_inner_loops())(_check_inner_loop)

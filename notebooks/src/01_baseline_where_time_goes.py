@@ -20,6 +20,7 @@ import os
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import Markdown, display
 
 import llmlab
 from llmlab import exercises
@@ -58,6 +59,7 @@ print("prompt tokens:", len(out.prompt_token_ids), "| generated:", len(out.token
 #
 # Step t of that loop is one forward pass over P + t tokens. Here is one such step timed at several
 # lengths (median of 5 runs, the band is the min–max range), with a straight line fitted to it:
+# time ≈ a + b · L, a fixed part a paid by every step and a part b per token in the sequence.
 
 # %%
 from llmlab.viz.baseline import fit_line, forward_step_times, plot_step_times
@@ -97,23 +99,72 @@ first = next((s.n for s in steps if forward_cost(cfg, 1, s.n).intensity >= ceil.
 print("shortest measured length past the ridge point:", first)
 
 # %% [markdown]
-# **Explain.** Read the printout: from the length it names on, a no-cache step is
-# **compute-bound** on this machine (right of the ridge point). Why?
-#
-# - (a) the step reads the weights once per token, L times in all;
-# - (b) each weight read from memory is used for every one of the L tokens, so the step does about
-#   L/2 FLOPs per byte, past this machine's ridge point;
-# - (c) attention's N² score matrix dominates the step;
-# - (d) Python overhead grows with the number of tokens.
+# **Explain.** In the printout the intensity (a model: it depends only on the shapes) grows with
+# the number of tokens, and a long enough step crosses this machine's ridge point, from
+# memory-bound to compute-bound.
+
+# %%
+exercises.ask("nb01.explain_compute_bound")
 
 # %%
 answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 exercises.check("nb01.explain_compute_bound", answer)
 
 # %% [markdown]
-# So the time of a no-cache step grows with L (the fitted slope) instead of staying at the cost of
-# one read of the weights. What grows with the sequence is the total *work*: every step redoes all
-# the tokens before it (exercise 2 counts the token-passes of a whole generation).
+# ## Measure: what the fixed part a is
+#
+# Extrapolated to zero tokens, the fit still costs a milliseconds: that is what one step pays
+# whatever its length. Two things do not depend on L. The weights are streamed from memory once
+# per step (the memory roof: their bytes over the copy bandwidth measured above). And every step
+# makes the same operator calls from Python, each paying the interpreter, PyTorch's dispatcher and
+# an allocation whatever its size. `llmlab.profiling.overhead` measures both on a step over one
+# token: `count_ops` counts the operator calls, `measure_op_overhead` times one tiny operator
+# (t_op), and `step_breakdown` splits the step's wall time into the time inside the matrix
+# multiplies and everything outside them (median of 7 runs; the split comes from profiled runs).
+
+# %%
+from llmlab.profiling.overhead import count_ops, measure_op_overhead, step_breakdown
+
+one_token = torch.randint(0, cfg.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+
+
+@torch.inference_mode()
+def one_token_step():
+    return model(one_token, last_only=True)
+
+
+ops = count_ops(one_token_step)
+t_op = measure_op_overhead()
+split = step_breakdown(one_token_step, repeats=7)
+roof = forward_cost(cfg, 1, 1).bytes / ceil.bandwidth_bytes_per_s
+print(f"a step over 1 token: {split.median_s * 1e3:.1f} ms (min {split.min_s * 1e3:.1f}, "
+      f"max {split.max_s * 1e3:.1f}); the fit's intercept a = {a:.1f} ms")
+print(f"  inside the {ops.matmul_calls} matrix multiplies: {split.matmul_s * 1e3:.1f} ms "
+      f"(memory roof for the {forward_cost(cfg, 1, 1).bytes / 1e6:.0f} MB of weights: {roof * 1e3:.1f} ms)")
+print(f"  outside them: {split.outside_s * 1e3:.1f} ms ({split.outside_share:.0%} of the step), over "
+      f"{ops.total} operator calls = {split.outside_per_op_s * 1e6:.1f} µs per call")
+print(f"  of which bare dispatch, {ops.total} calls × t_op {t_op * 1e6:.2f} µs: {ops.total * t_op * 1e3:.1f} ms")
+
+# %%
+inside = split.matmul_s / split.median_s
+display(Markdown(
+    f"So on this run the fixed part of a step is {split.median_s * 1e3:.0f} ms "
+    f"(the fit's intercept says {a:.0f} ms): "
+    + (f"mostly the matrix multiplies ({inside:.0%}), which stream the weights at "
+       f"{forward_cost(cfg, 1, 1).bytes / split.matmul_s / 1e9:.1f} GB/s against the "
+       f"{ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s of a plain copy"
+       if inside >= 0.5 else
+       f"mostly outside the matrix multiplies ({1 - inside:.0%}): per-step Python and dispatch "
+       f"overhead, and the small operators")
+    + f". The overhead outside them is {split.outside_s * 1e3:.0f} ms per step, "
+    f"{ops.total * t_op * 1e3:.1f} ms of it the bare cost of {ops.total} operator calls. "
+    f"What grows with L is the part per token ({b:.2f} ms): every step redoes all the tokens "
+    "before it (exercise 2 counts the token-passes of a whole generation)."))
+
+# %% [markdown]
+# Notebook 11 (overhead and compilation) goes after the part outside the matrix multiplies:
+# `llmlab.generate(..., compile=True)` runs a decode step through `torch.compile`, which fuses the
+# small operators and calls Python once per step instead of once per operator.
 #
 # ## Measure: a profile by operator
 #
@@ -125,13 +176,20 @@ from llmlab.viz.baseline import operator_medians
 
 ids = torch.randint(0, cfg.vocab_size, (1, 64))
 with torch.inference_mode():
-    ops = operator_medians(lambda: model(ids), repeats=5, row_limit=8)
-for r in ops:
+    op_rows = operator_medians(lambda: model(ids), repeats=5, row_limit=8)
+for r in op_rows:
     print(f"{r['name']:28s} {r['median_ms']:8.1f} ms  ({r['lo_ms']:.1f}–{r['hi_ms']:.1f})  x{r['calls']}")
+from llmlab.profiling.overhead import is_matmul
+
+mm_share = (sum(r["median_ms"] for r in op_rows if is_matmul(r["name"]))
+            / sum(r["median_ms"] for r in op_rows))
+display(Markdown(
+    f"Matrix multiplies (`aten::mm`, `aten::bmm`/`matmul` inside attention) take {mm_share:.0%} of "
+    f"the time of these {len(op_rows)} operators"
+    + (", the bulk of it" if mm_share >= 0.5 else ", less than the rest")
+    + "; the rest is elementwise work (softmax, SiLU, RMSNorm, rotary) that notebook 11 fuses."))
 
 # %% [markdown]
-# Matrix multiplies (`aten::mm`, `aten::addmm`, `aten::bmm`/`matmul` inside attention) dominate;
-# the rest is elementwise work (softmax, SiLU, RMSNorm, rotary) that later notebooks fuse away.
 #
 # ## Measure: by part of the model, as the prompt grows
 #
@@ -150,17 +208,28 @@ for n, p in parts.items():
     print(f"N={n:4d}: {total * 1e3:6.0f} ms, attention {p['attention'] / total:4.0%}, "
           f"mlp {p['mlp'] / total:4.0%}, lm_head {p['lm_head'] / total:4.0%}")
 lo, hi = part_lengths[0], part_lengths[-1]
-print(f"from N={lo} to N={hi} ({hi // lo}× the tokens): mlp time "
-      f"×{parts[hi]['mlp'] / parts[lo]['mlp']:.1f}, attention time "
-      f"×{parts[hi]['attention'] / parts[lo]['attention']:.1f}")
+grow = {k: parts[hi][k] / parts[lo][k] for k in ("mlp", "attention")}
+share = {n: parts[n]["attention"] / sum(parts[n][k] for k in PARTS) for n in (lo, hi)}
+print(f"from N={lo} to N={hi} ({hi // lo}× the tokens): mlp time ×{grow['mlp']:.1f}, "
+      f"attention time ×{grow['attention']:.1f}")
+
+# %%
+k_tokens = hi // lo
+display(Markdown(
+    f"The MLP does the same work per token, yet from N = {lo} to {hi} ({k_tokens}× the tokens) its "
+    f"time grew ×{grow['mlp']:.1f}: "
+    + ("less than the tokens, because at short lengths much of its time is the fixed cost of "
+       "streaming its weights (the intercept above), which does not grow with N."
+       if grow["mlp"] < 0.8 * k_tokens else "about as much as the tokens.")
+    + f" Attention has four such projections plus the N × N score matrix; its time grew "
+    f"×{grow['attention']:.1f}, "
+    + ("faster than the MLP's, and its share of the forward went from "
+       if grow["attention"] > grow["mlp"] else "no faster than the MLP's here; its share went from ")
+    + f"{share[lo]:.0%} to {share[hi]:.0%}. The N² part takes over only at long contexts, which "
+    "the next measurement isolates. `lm_head` runs on every position here (a forward that "
+    "returns all logits); generation needs only the last one."))
 
 # %% [markdown]
-# The MLP costs the same per token, so its time grows about like N (its growth factor, printed
-# last, against the factor of tokens). The attention module has four such projections too, plus
-# the score matrix, which grows like N²: its time grows faster than the MLP's, and its share rises
-# with N. The N² part takes over only at long contexts, which the next measurement isolates.
-# `lm_head` runs on every position here (a forward that returns all logits); generation needs only
-# the last one.
 #
 # ## Measure: the N² of textbook attention
 #
@@ -192,14 +261,25 @@ print(f"one [1, 9, {ns[-1]}, {ns[-1]}] float32 score matrix: {4 * 9 * ns[-1] ** 
 naive_peak = {r["n"]: r["peak_bytes"] for r in cost if r["backend"] == "naive"}
 exercises.check("nb01.predict_memory_growth", my_prediction, measured=naive_peak[2048] / naive_peak[1024])
 
+# %%
+exp_mem = {b: fit_exponent(ns[-3:], [r["peak_bytes"] for r in cost if r["backend"] == b][-3:])
+           for b in ("naive", "sdpa")}
+peak_at = {b: [r for r in cost if r["backend"] == b][-1]["peak_bytes"] for b in ("naive", "sdpa")}
+display(Markdown(
+    f"Naive attention's peak memory grows as N^{exp_mem['naive']:.2f}"
+    + (", close to the N² of its score matrix: the scores and their softmax are the largest "
+       "tensors of the call." if exp_mem["naive"] > 1.7 else
+       ", short of N² at these sizes: the inputs and outputs still weigh in.")
+    + f" `sdpa` grows as N^{exp_mem['sdpa']:.2f} and needs "
+    f"{peak_at['naive'] / peak_at['sdpa']:.0f}× less at N = {ns[-1]}: PyTorch's fused kernel does "
+    "not keep the matrix either. That matrix is what FlashAttention (notebook 03) never writes out."))
+
 # %% [markdown]
-# Naive attention's peak memory follows the N² guide: the score matrix and its softmax are the
-# largest tensors of the call. That matrix is what FlashAttention (notebook 03) never writes out.
-# `sdpa`'s smaller peak shows PyTorch's fused kernel avoiding it too.
 #
 # ## Build: naive attention, inside the real model
 #
-# Write the textbook formula, softmax(Q Kᵀ / √d + mask) · V, for the shapes SmolLM2 uses:
+# Write the textbook formula, softmax(Q Kᵀ / √d + mask) · V, softmax included, for the shapes
+# SmolLM2 uses:
 #
 # - `q` is `[batch, heads, n_q, d]`, `k` and `v` are `[batch, kv_heads, n_k, d]`, with
 #   `heads = 9`, `kv_heads = 3` in SmolLM2 (**grouped-query attention**): each KV head serves a
@@ -207,11 +287,15 @@ exercises.check("nb01.predict_memory_growth", my_prediction, measured=naive_peak
 # - `causal=True` masks the future, **aligned bottom-right**: the n_q queries are the *last* n_q
 #   positions of the n_k keys, so when n_q < n_k (a prompt continued, or one decode query) every
 #   query still sees all the keys before it.
+# - The softmax is yours, from `exp`, `amax` and `sum` (torch's softmax and fused attention, and
+#   llmlab's attention functions, raise during the check). It must hold for scores as large as
+#   ±100: float32's `exp` overflows to inf past 88.7, and softmax(s) = softmax(s − c) for any
+#   constant c per row.
 # - Return `[batch, heads, n_q, d]`.
 #
-# The check first tests small tensors (including n_q < n_k and grouped heads), then registers
-# your function as an attention backend with `llmlab.attention.register` and runs SmolLM2 with
-# it: the logits must be within 1e-4 of `naive`'s and the greedy tokens identical.
+# The check first tests small tensors (including n_q < n_k, grouped heads and large scores), then
+# registers your function as an attention backend with `llmlab.attention.register` and runs
+# SmolLM2 with it: the logits must be within 1e-4 of `naive`'s and the greedy tokens identical.
 
 # %%
 import math
@@ -226,7 +310,8 @@ exercises.check("nb01.naive_attention", naive_attention)
 
 # %% [markdown]
 # **Compare with llmlab's.** The library's `naive` backend (`llmlab/attention/reference.py`) does
-# the same with two differences worth knowing. Its tensors are `[batch, seq, heads, d]`, the layout
+# the same with torch's softmax, which subtracts the row maximum inside, and two differences worth
+# knowing. Its tensors are `[batch, seq, heads, d]`, the layout
 # of FlashAttention's API, so it transposes first. And it fills masked scores with the most
 # negative *finite* float rather than `-inf`, and runs the softmax in at least float32:
 #
@@ -310,9 +395,9 @@ exercises.check("nb01.padded_attention", padded_attention)
 # %% [markdown]
 # ## Takeaways
 #
-# - The baseline recomputes the whole sequence each step: quadratic work for linear output, and each step is compute-bound.
-# - Matrix multiplies dominate; attention's N² score matrix makes its share grow with N, and it is what limits long contexts.
-# - Swapping `naive` for `sdpa` (or for your own attention) changes speed and memory, not the answer.
+# - The baseline recomputes the whole sequence each step: quadratic work for linear output. A step costs a fixed part (the weights streamed once, plus per-step overhead) and a part per token.
+# - A no-cache step does about L/2 FLOPs per byte of weights: short ones wait on memory, long ones on arithmetic; the measured ridge point says where on this machine.
+# - Attention's N² score matrix makes its share grow with N and limits long contexts; swapping `naive` for `sdpa` (or your own attention) changes speed and memory, not the answer.
 #
 # ## Further reading
 #
