@@ -73,3 +73,127 @@ def test_predict_best_k_against_a_measurement():
     assert "one of k" in exercises.check("nb09.predict_best_k", 3).message
     # without a measurement: the cost model, here with cheap, reliable drafts
     assert exercises.check("nb09.predict_best_k", 8, alpha=0.95, c=0.01).passed
+
+
+# ---- the main build: one speculative step ----------------------------------------------------
+
+STEP_WRONG = ["forgets the roll-back", "reads the token after draft i from row i + 1",
+              "forgets the bonus token", "verifies one token per forward",
+              "calls llmlab's own greedy_accept"]
+
+
+def test_the_reference_step_passes_and_every_branch_occurred():
+    v = exercises.check("nb09.speculative_step", nb09.reference_speculative_step)
+    assert v.passed, v.message
+    assert "plain greedy's" in v.message
+    assert " 0 steps took the bonus" not in v.message and " 0 rejected every" not in v.message
+    assert " 0 drafts accepted" not in v.message and " 0 rolled back" not in v.message
+
+
+@pytest.mark.parametrize("label", STEP_WRONG)
+def test_each_step_mistake_fails_and_is_named(label):
+    ex = exercises.get("nb09.speculative_step")
+    answer, words = ex.wrong_variants[label]
+    v = ex.check(answer)
+    assert not v.passed
+    assert all(w in v.message for w in words), v.message
+
+
+def test_wrappers_around_llmlabs_verify_fail():
+    """A step that hands the decision to llmlab's verify (the function speculative_token_ids
+    uses) is refused, and the library works again after the check."""
+    from llmlab import speculative
+
+    def wraps_verify(model, cache, seq, draft, k):
+        drafts = [int(d) for d in draft(seq, k)][:k]
+        ids = torch.tensor([[seq[-1]] + drafts])
+        start = cache.length
+        logits = model.step(ids, cache.begin(ids.shape[1]), cache)[0]
+        cache.advance()
+        n, nxt = speculative.verify(logits, drafts, None, None, 0.0, None, None, None)
+        cache.truncate(start + n + 1)
+        return drafts[:n] + [nxt]
+
+    v = exercises.check("nb09.speculative_step", wraps_verify)
+    assert not v.passed and "llmlab's own" in v.message and "verify" in v.message
+    assert speculative.greedy_accept([1, 2, 3], [1, 5]) == (1, 2)
+
+
+def test_step_answers_of_the_wrong_form_get_messages():
+    ex = exercises.get("nb09.speculative_step")
+    assert "not yet" in str(ex.check(ex.placeholder))
+    assert "pass your function" in ex.check("step").message
+
+    def returns_nothing(model, cache, seq, draft, k):
+        draft(seq, k)
+        return []
+
+    v = ex.check(returns_nothing)
+    assert not v.passed and "non-empty list" in v.message
+
+    def never_drafts(model, cache, seq, draft, k):
+        return nb09.reference_speculative_step(model, cache, seq, lambda s, kk: [], k)
+
+    v = ex.check(never_drafts)
+    assert not v.passed and "draft(seq, k) 0 times" in v.message
+
+
+def test_generate_with_step_is_plain_greedy_on_tiny_llama(tokenizer):
+    """The loop the notebook runs a student's step in: with the reference step and prompt
+    lookup it gives llmlab.generate's greedy tokens, and its statistics add up."""
+    tiny = llmlab.load_model("tiny-llama")
+    prompt = "Copy this list: apples, pears, plums, apples, pears, plums."
+    ref = llmlab.generate(tiny, tokenizer, prompt, max_new_tokens=24, kv_cache="contiguous",
+                          ignore_eos=True)
+    tokens, stats = nb09.generate_with_step(nb09.reference_speculative_step, tiny,
+                                            ref.prompt_token_ids, nb09.ngram_draft, k=3,
+                                            max_new_tokens=24)
+    assert tokens == ref.token_ids
+    assert stats.num_generated == 24
+    assert stats.num_generated <= 1 + sum(a + 1 for a in stats.accepted_per_step)
+    assert all(0 <= a <= d <= 3 for a, d in zip(stats.accepted_per_step,
+                                                 stats.drafted_per_step))
+
+
+def test_the_noisy_oracle_spoils_one_draft_per_step_in_a_cycle():
+    ref = list(range(100, 120))
+    oracle = nb09.NoisyOracle(ref, prompt_len=5, vocab_size=1000)
+    seq = [0] * 5 + ref[:2]
+    spoiled = []
+    for _ in range(6):
+        out = oracle(seq, 4)
+        spoiled.append([i for i, (a, b) in enumerate(zip(out, ref[2:6])) if a != b])
+    assert spoiled == [[0], [1], [2], [3], [], []]
+
+
+@pytest.mark.slow
+def test_a_verify_of_nine_tokens_costs_far_less_than_nine_decode_steps(smollm2):
+    """The early-exit explanation (d) says a verify of up to 9 tokens costs far less than
+    k + 1 decode steps here: measured on SmolLM2 (best of 6 runs each, interleaved)."""
+    from llmlab.cache import ContiguousKVCache
+
+    cache = ContiguousKVCache.for_model(smollm2, 1, 120)
+    ctx = torch.randint(0, 1000, (1, 100))
+    best = {1: float("inf"), 9: float("inf")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)              # the thread's CPU time is then the forward's
+    try:
+        _time_forwards(smollm2, cache, ctx, best)
+    finally:
+        torch.set_num_threads(threads)
+    assert best[9] < 5 * best[1], best
+
+
+def _time_forwards(smollm2, cache, ctx, best):
+    import time
+
+    with torch.inference_mode():
+        smollm2(ctx, positions=cache.begin(100), cache=cache)
+        cache.advance()
+        for _ in range(6):
+            for w in best:
+                t = time.thread_time()
+                smollm2(ctx[:, -w:], positions=cache.begin(w), cache=cache)
+                cache.advance()
+                best[w] = min(best[w], time.thread_time() - t)
+                cache.truncate(100)

@@ -86,3 +86,13 @@ def test_batching_erodes_the_modelled_speedup():
     plt.close("all")
     with pytest.raises(ValueError, match="k=0 must be >= 1"):
         batching_model(cfg, ceil, [1], k=0, alpha=0.5)
+
+
+def test_timeline_stops_at_the_tokens_kept():
+    """A last step that ran past the end-of-sequence token is drawn up to the tokens kept,
+    and the title counts those (3 + 2 + 1 emitted, 5 kept)."""
+    ax = plot_timeline([2, 1], [3, 2], num_tokens=5)
+    assert ax.get_title().startswith("5 tokens in 3 target forwards")
+    full = plot_timeline([2, 1], [3, 2])
+    assert full.get_title().startswith("6 tokens")
+    assert len(ax.patches) < len(full.patches)

@@ -6,8 +6,14 @@
   real speculative generation of SmolLM2 (n-gram drafts, greedy) and compares the tokens
   with plain greedy decoding.
 - ``nb09.predict_best_k`` (predict): which number of drafts k gives the best speedup.
+- ``nb09.speculative_step`` (build): one greedy step, draft, verify in one forward, accept,
+  roll the cache back, on SmolLM2's ``CausalLM.step`` and its contiguous KV cache. The
+  checker runs it in a real generation (:func:`generate_with_step`) with two drafts (one
+  that spoils one token of the target's answer per step, and prompt lookup), counts its
+  forwards, reads the cache length after every step and compares the tokens with plain
+  greedy decoding; llmlab's own speculative functions raise meanwhile.
 - ``nb09.explain_batching`` (explain): why batching erodes the gain.
-- ``nb09.explain_int4_draft`` (explain, stretch): what an int4 draft of a Q4_1 model buys.
+- ``nb09.explain_early_exit`` (explain, stretch): why no early-exit depth pays on SmolLM2.
 
 The student's function, for one sequence with k drafts::
 
@@ -23,11 +29,14 @@ accepted: the bonus). :func:`as_library_rule` turns it into the library's
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
 from . import choice_verdict, exercise, first_token_difference, right, wrong
-from ..speculative import cost_model_speedup, expected_tokens
+from ..cache.contiguous import ContiguousKVCache
+from ..device import sync
+from ..speculative import SpecStats, cost_model_speedup, expected_tokens, ngram_propose
 
 NB = "09_speculative_decoding"
 DRAWS = 6_000             # draws of the distribution test: the wrong rules miss by > 20 sigma
@@ -308,6 +317,346 @@ def _check_accept_reject(answer) -> object:
                  f"{sum(stats.drafted_per_step) - sum(stats.accepted_per_step)} rejected).")
 
 
+# ---- build: one speculative step, inside SmolLM2 --------------------------------------------
+
+STEP_K = 4                # drafts per step in the check of nb09.speculative_step
+
+
+class StepError(ValueError):
+    """The student's step broke the contract of a step; the message says how."""
+
+
+def reference_speculative_step(model, cache, seq, draft, k):
+    """One greedy speculative step: draft, verify in one forward, accept, roll back.
+
+    ``cache`` holds the K/V of ``seq[:-1]``; returns the emitted tokens (the accepted drafts,
+    then the target's own token) and leaves the cache holding the K/V of
+    ``seq + emitted[:-1]``."""
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=model.device)
+    start = cache.length
+    positions = cache.begin(ids.shape[1])
+    logits = model.step(ids, positions, cache)[0]           # [len(drafts) + 1, vocab]
+    cache.advance()
+    target = logits.argmax(-1).tolist()                     # the target's token after each
+    emitted = []
+    for i, d in enumerate(drafts):
+        if d != target[i]:
+            break
+        emitted.append(d)
+    n = len(emitted)
+    emitted.append(target[n])         # the correction at the first mismatch, or the bonus
+    cache.truncate(start + n + 1)     # keep t and the accepted drafts; forget the rest
+    return emitted
+
+
+def _forgets_the_roll_back(model, cache, seq, draft, k):
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=model.device)
+    logits = model.step(ids, cache.begin(ids.shape[1]), cache)[0]
+    cache.advance()
+    target = logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return drafts[:n] + [target[n]]                         # the rejected drafts' K/V stay
+
+
+def _reads_the_next_row(model, cache, seq, draft, k):
+    """Off by one: draft i is compared with row i + 1 (it sits at index i + 1 of the input)."""
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=model.device)
+    start = cache.length
+    logits = model.step(ids, cache.begin(ids.shape[1]), cache)[0]
+    cache.advance()
+    target = logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n + 1]:
+        n += 1
+    cache.truncate(start + n + 1)
+    return drafts[:n] + [target[min(n + 1, len(drafts))]]
+
+
+def _forgets_the_bonus(model, cache, seq, draft, k):
+    """Feeds [t, d1 .. d(k-1)]: enough rows to check every draft, none for the bonus."""
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts[:-1]], dtype=torch.long, device=model.device)
+    start = cache.length
+    logits = model.step(ids, cache.begin(ids.shape[1]), cache)[0]
+    cache.advance()
+    target = logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    cache.truncate(start + min(n + 1, len(target)))
+    return drafts[:n] + ([target[n]] if n < len(drafts) else [])
+
+
+def _one_token_per_forward(model, cache, seq, draft, k):
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    emitted = []
+    for i, tok in enumerate([seq[-1]] + drafts):            # one forward per verified token
+        ids = torch.tensor([[tok]], dtype=torch.long, device=model.device)
+        nxt = int(model.step(ids, cache.begin(1), cache)[0, -1].argmax())
+        cache.advance()
+        emitted.append(nxt)
+        if i == len(drafts) or drafts[i] != nxt:
+            return emitted
+    return emitted
+
+
+def _calls_llmlabs_greedy_accept(model, cache, seq, draft, k):
+    from ..speculative import greedy_accept
+
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=model.device)
+    start = cache.length
+    logits = model.step(ids, cache.begin(ids.shape[1]), cache)[0]
+    cache.advance()
+    n, nxt = greedy_accept(logits.argmax(-1).tolist(), drafts)
+    cache.truncate(start + n + 1)
+    return drafts[:n] + [nxt]
+
+
+def ngram_draft(seq, k):
+    """Prompt lookup (:func:`llmlab.speculative.ngram_propose`) as a ``draft(seq, k)``."""
+    return ngram_propose(seq, k)
+
+
+class NoisyOracle:
+    """A draft that knows the target's greedy continuation ``ref`` and spoils one token of it
+    per step, at a position that cycles: step j spoils draft j mod (k + 2), none when that
+    is k or k + 1. So every branch of a step occurs: all rejected, some accepted, all
+    accepted (and the bonus token)."""
+
+    def __init__(self, ref: list[int], prompt_len: int, vocab_size: int):
+        self.ref, self.prompt_len, self.vocab_size = list(ref), prompt_len, vocab_size
+        self.calls = 0
+
+    def __call__(self, seq, k):
+        pos = len(seq) - self.prompt_len
+        out = self.ref[pos:pos + k]
+        j = self.calls % (k + 2)
+        self.calls += 1
+        if j < len(out):
+            out[j] = (out[j] + 1) % self.vocab_size
+        return out
+
+
+def _as_tokens(out, what: str) -> list[int]:
+    if isinstance(out, torch.Tensor):
+        out = out.reshape(-1).tolist()
+    if not isinstance(out, (list, tuple)) or not out:
+        raise StepError(f"{what} returned {out!r}; a step returns a non-empty list of token "
+                        "ids: the accepted drafts, then the target's own token.")
+    return [int(t) for t in out]
+
+
+@torch.inference_mode()
+def generate_with_step(step, model, prompt: list[int], draft, k: int = STEP_K,
+                       max_new_tokens: int = 32, eos_token_id: int | None = None,
+                       inspect=None):
+    """Greedy generation for one prompt (token ids) whose every step after the prefill is
+    ``step(model, cache, seq, draft, k) -> emitted tokens``.
+
+    The prefill runs here (the cache then holds the prompt, and the first token is the
+    prefill's argmax); each step gets ``seq`` = prompt + tokens so far. Stops after
+    ``eos_token_id`` or ``max_new_tokens`` (a step never drafts past the budget). Returns
+    (tokens, :class:`~llmlab.speculative.SpecStats`). ``inspect(seq, drafts, emitted,
+    cache)``, if given, runs after each step (the checker's hook)."""
+    room = len(prompt) + max_new_tokens + k + 1
+    cache = ContiguousKVCache.for_model(model, 1, room)
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
+    logits = model.step(ids, cache.begin(len(prompt)), cache, rows="last")[0, -1]
+    cache.advance()
+    tokens = [int(logits.argmax())]
+    stats = SpecStats(getattr(draft, "__name__", type(draft).__name__), k)
+    proposed: list[list[int]] = []
+
+    def recorded(seq, kk):
+        out = [int(d) for d in draft(seq, kk)]
+        proposed.append(out)
+        return out
+
+    while tokens[-1] != eos_token_id and len(tokens) < max_new_tokens:
+        seq = prompt + tokens
+        kk = min(k, max_new_tokens - len(tokens) - 1)
+        proposed.clear()
+        t = time.perf_counter()
+        out = step(model, cache, list(seq), recorded, kk)
+        sync(model.device)
+        stats.target_s += time.perf_counter() - t
+        if len(proposed) != 1:
+            raise StepError(f"your step called draft(seq, k) {len(proposed)} times; call it "
+                            "once per step for the k drafts it verifies.")
+        drafts = proposed[0][:kk]
+        out = _as_tokens(out, "your step")
+        if inspect is not None:
+            inspect(seq, drafts, out, cache)
+        if len(out) > len(drafts) + 1:
+            raise StepError(f"with {len(drafts)} drafts a step emits at most "
+                            f"{len(drafts) + 1} tokens; yours emitted {len(out)}.")
+        stats.accepted_per_step.append(len(out) - 1)
+        stats.drafted_per_step.append(len(drafts))
+        for t_ in out:
+            tokens.append(t_)
+            if t_ == eos_token_id or len(tokens) == max_new_tokens:
+                break
+    stats.num_generated = len(tokens)
+    return tokens, stats
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_greedy_run():
+    import llmlab
+
+    model, tok, _ = _smollm2_and_greedy()
+    g = llmlab.generate(model, tok, GREEDY_PROMPT, max_new_tokens=GREEDY_TOKENS,
+                        kv_cache="contiguous")
+    return model, g.prompt_token_ids, g.token_ids
+
+
+class _Probe:
+    """Counts the forwards of a step (calls of the token embedding, with their widths) and
+    keeps the argmax of each row of the last vocabulary projection."""
+
+    def __init__(self, model):
+        self.widths: list[int] = []
+        self.rows: list[int] | None = None
+        self.handles = [
+            model.embed_tokens.register_forward_hook(
+                lambda mod, args, out: self.widths.append(int(args[0].shape[-1]))),
+            model.lm_head.register_forward_hook(self._rows)]
+
+    def _rows(self, mod, args, out):
+        self.rows = out.reshape(-1, out.shape[-1]).argmax(-1).tolist()
+
+    def reset(self):
+        self.widths, self.rows = [], None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _expected(ref: list[int], pos: int, drafts: list[int]) -> tuple[int, list[int]]:
+    """The accepted count and the tokens a right step emits, by the reference greedy run."""
+    n = 0
+    while n < len(drafts) and pos + n < len(ref) and drafts[n] == ref[pos + n]:
+        n += 1
+    return n, drafts[:n] + ref[pos + n:pos + n + 1]
+
+
+def _inspector(probe: _Probe, ref: list[int], prompt_len: int, what: str,
+               eos_token_id: int | None):
+    def inspect(seq, drafts, out, cache):
+        k, pos = len(drafts), len(seq) - prompt_len
+        where = f"{what}, step at output token {pos}, drafts {drafts}"
+        if len(probe.widths) != 1 or (k > 0 and probe.widths[0] == 1):
+            raise StepError(f"{where}: your step ran {len(probe.widths)} forward(s) of the "
+                            f"target (of {probe.widths} tokens). The point of speculation is "
+                            f"one forward of all {k + 1} tokens [t, d1 .. d{k}]: causal "
+                            "attention gives the target's choice after each of them at once.")
+        if probe.widths[0] != k + 1:
+            raise StepError(f"{where}: your verify forward fed {probe.widths[0]} tokens; it "
+                            f"needs {k + 1}: the last emitted token t and the {k} drafts. Row i "
+                            "of its output checks draft i + 1, and row k (after the last draft) "
+                            "is the bonus token when every draft is accepted.")
+        n, want = _expected(ref, pos, drafts)
+        # past the end-of-sequence token nothing counts
+        got = out[:len(want)] if want and want[-1] == eos_token_id else out
+        if got != want:
+            rows = probe.rows if probe.rows and len(probe.rows) == k + 1 else None
+            m = len(out) - 1
+            if m == k == n and out == drafts:
+                raise StepError(f"{where}: all {k} drafts were accepted and your step emitted "
+                                f"{out}: it forgot the bonus token, row {k} of the verify "
+                                f"forward (here {want[-1]}). A step emits up to k + 1 tokens.")
+            if rows and out[:m] == drafts[:m] and m <= k and out[-1] == \
+                    rows[min(m + 1, k)] != rows[m]:
+                raise StepError(f"{where}: you emitted {out}, the right tokens are {want}. "
+                                f"Off by one: row i of the verify forward is the target's "
+                                f"token after input i (t is input 0), so draft i + 1 is "
+                                f"checked by row i and the token after {m} accepted drafts "
+                                f"is row {m}, not row {m + 1}.")
+            if m > n and out[:m] == drafts[:m]:
+                raise StepError(f"{where}: you accepted {m} drafts, but the target's choice "
+                                f"after {'t' if n == 0 else f'd{n}'} is {ref[pos + n]}, not "
+                                f"draft {drafts[n]}; the right tokens are {want}.")
+            raise StepError(f"{where}: you emitted {out}, the right tokens are {want} (the "
+                            f"drafts the target agrees with, in order, then its own token).")
+        held, should = cache.length, len(seq) + len(out) - 1
+        if held > should:
+            raise StepError(f"{where}: after the step your cache holds {held} tokens, it "
+                            f"should hold {should} (seq and the emitted tokens but the last). "
+                            f"The K/V of the {held - should} rejected draft(s) are still "
+                            "there: roll back the cache (cache.truncate) to forget them.")
+        if held < should:
+            raise StepError(f"{where}: after the step your cache holds {held} tokens, it "
+                            f"should hold {should}: it rolled back too far, and the next "
+                            "step would attend to a text with holes.")
+        probe.reset()
+    return inspect
+
+
+@exercise("nb09.speculative_step", notebook=NB, kind="build",
+          title="one speculative step inside SmolLM2: draft, verify in one forward, accept, "
+                "roll back",
+          solution=reference_speculative_step,
+          wrong_variants={
+              "forgets the roll-back": (_forgets_the_roll_back, ("roll back",)),
+              "reads the token after draft i from row i + 1": (_reads_the_next_row,
+                                                               ("Off by one",)),
+              "forgets the bonus token": (_forgets_the_bonus, ("bonus",)),
+              "verifies one token per forward": (_one_token_per_forward, ("one forward",)),
+              "calls llmlab's own greedy_accept": (_calls_llmlabs_greedy_accept,
+                                                   ("llmlab's own",)),
+          })
+def _check_speculative_step(answer) -> object:
+    if not callable(answer):
+        return wrong(f"pass your function itself; got {type(answer).__name__}.",
+                     "exercises.check('nb09.speculative_step', speculative_step)")
+    from . import forbid
+    from .. import speculative as S
+
+    model, prompt, ref = _smollm2_greedy_run()
+    eos = model.config.eos_token_id
+    probe = _Probe(model)
+
+    def guarded(*args):
+        probe.reset()
+        with forbid(S.greedy_accept, S.verify, S.accept_reject, S.speculative_token_ids):
+            return answer(*args)
+
+    runs = {}
+    try:
+        for what, draft in (("noisy drafts", NoisyOracle(ref, len(prompt),
+                                                          model.config.vocab_size)),
+                            ("prompt-lookup drafts", ngram_draft)):
+            try:
+                tokens, stats = generate_with_step(
+                    guarded, model, prompt, draft, STEP_K, GREEDY_TOKENS, eos,
+                    inspect=_inspector(probe, ref, len(prompt), what, eos))
+            except StepError as exc:
+                return wrong(f"SmolLM2, k = {STEP_K}, {exc}")
+            diff = first_token_difference(tokens, ref)
+            if diff:
+                return wrong(f"SmolLM2 with your step and {what}: {diff} Greedy speculation "
+                             "must give plain greedy's tokens.")
+            runs[what] = stats
+    finally:
+        probe.close()
+    noisy, lookup = runs["noisy drafts"], runs["prompt-lookup drafts"]
+    full = sum(a == d > 0 for a, d in zip(noisy.accepted_per_step, noisy.drafted_per_step))
+    zero = sum(a == 0 < d for a, d in zip(noisy.accepted_per_step, noisy.drafted_per_step))
+    return right(f"your step gives plain greedy's {len(ref)} tokens of SmolLM2 with k = "
+                 f"{STEP_K}: with noisy drafts in {noisy.target_forwards} target forwards "
+                 f"({full} steps took the bonus, {zero} rejected every draft), and with prompt "
+                 f"lookup in {lookup.target_forwards} ({sum(lookup.accepted_per_step)} drafts "
+                 f"accepted, {sum(lookup.drafted_per_step) - sum(lookup.accepted_per_step)} "
+                 "rolled back), one forward per step and the cache rolled back each time.")
+
+
 # ---- predict: the best k -----------------------------------------------------------------
 
 K_CHOICES = (1, 2, 4, 8)
@@ -351,51 +700,68 @@ def _check_predict_best_k(answer, measured: dict | None = None, alpha: float = 0
 # ---- explain: batching -------------------------------------------------------------------
 
 _BATCH_CHOICES = {
-    "a": "acceptance does not depend on the batch: each sequence's drafts are checked "
-         "against its own target distribution.",
-    "b": "at batch 1 a decode step reads every weight for one token per sequence, so k + 1 "
+    "a": "Acceptance falls at a large batch: the other sequences in the batch blur the "
+         "distribution each sequence's drafts are checked against.",
+    "b": "Rejected drafts are rolled back per sequence, and the whole batch waits until "
+         "every sequence's roll-back is done.",
+    "c": "A large batch already fills the compute units, so verifying k + 1 tokens per "
+         "sequence costs up to k + 1 decode steps.",
+    "d": "Batching changes each sequence's greedy tokens, so fewer drafts match what the "
+         "target would have chosen for it alone.",
+}
+_BATCH_WHY = {
+    "a": "acceptance does not depend on the batch: each sequence's drafts are checked against "
+         "its own target distribution, the same one it gets alone.",
+    "b": "a roll-back is a length per sequence (a truncate, or freed blocks): it costs "
+         "nothing and waits for no one.",
+    "c": "at batch 1 a decode step reads every weight for one token per sequence, so k + 1 "
          "tokens cost about the same time; at a large batch the step is already "
          "compute-bound (right of the roofline's ridge), and k + 1 tokens per sequence cost "
          "about k + 1 times as much. The idle FLOPs speculation spent are gone.",
-    "c": "rejected drafts are rolled back per sequence; they never touch another sequence's "
-         "cache.",
-    "d": "greedy speculation gives the same tokens at any batch size; only the time changes.",
+    "d": "greedy speculation gives the same tokens at any batch size (each row is computed as "
+         "it would be alone); only the time changes.",
 }
 
 
 @exercise("nb09.explain_batching", notebook=NB, kind="explain",
           title="explain: why does batching erode the speedup of speculative decoding?",
-          solution="b",
+          solution="c", choices=_BATCH_CHOICES,
           wrong_variants={"acceptance": ("a", ("does not depend",)),
                           "tokens change": ("d", ("same tokens",))})
 def _check_explain_batching(answer) -> object:
-    return choice_verdict(answer, "b", _BATCH_CHOICES)
+    return choice_verdict(answer, "c", _BATCH_WHY)
 
 
-# ---- explain (stretch): an int4 draft of a Q4_1 model --------------------------------------
+# ---- explain (stretch): early exit on SmolLM2 ----------------------------------------------
 
-_INT4_CHOICES = {
-    "a": "an int4 draft stores the same 4-bit grid, so it proposes what the target would: "
-         "acceptance is close to 100%. But a draft token costs a whole int4 decode step, so c "
-         "is that step's cost over the float32 step's (the notebook measures it): well above "
-         "0, and E[tokens] / (1 + k·c) stays far below k + 1. And here the draft is the "
-         "target itself in fewer bytes: run alone, the int4 model gives the same tokens "
-         "(its weights are the target's exactly) at its full speed, with no verify step. A "
-         "draft pays when it is much cheaper than the target, not when it is the same model "
-         "in fewer bytes.",
-    "b": "acceptance is high, not low: the int4 weights reproduce the shipped Q4_1 weights "
-         "(notebook 08), so the two models nearly agree.",
-    "c": "the rejection rule keeps the target's distribution for any draft; a draft changes "
-         "the speed, never the output.",
-    "d": "a draft's cost per token is its own decode step; a quantized draft still reads "
-         "all its weights once per token.",
+_EARLY_EXIT_CHOICES = {
+    "a": "A wrong early-exit draft changes the emitted text, so the target must run a second "
+         "pass to repair it, which doubles the cost of every step.",
+    "b": "Its guesses agree with the target only when the cut is deep, and there a draft "
+         "token costs most of a decode step.",
+    "c": "The early exit keeps no KV cache of its own, so every draft token re-reads the "
+         "whole prompt through its layers.",
+    "d": "Verifying k + 1 tokens costs k + 1 decode steps on this CPU, so even a free draft "
+         "that is always right loses.",
+}
+_EARLY_EXIT_WHY = {
+    "a": "a draft never changes the output: a rejected draft is replaced by the target's own "
+         "token in the same step, with no second pass.",
+    "b": "the sweep shows agreement climbing only in the last layers, and a draft token of "
+         "depth n reads about n layers and the lm_head, so c is large exactly where α is; "
+         "E[tokens] / (v + k·c) stays below 1 at every depth. An early exit pays when the "
+         "model is trained to be read early (LayerSkip).",
+    "c": "the early exit keeps its own KV cache for its first n layers (see "
+         "llmlab.speculative.make_drafter): a draft token costs n layers, not the prompt.",
+    "d": "the notebook measured v(k + 1): a verify of up to 9 tokens costs far less than k + 1 "
+         "decode steps, and prompt lookup, a nearly free draft, gains with it.",
 }
 
 
-@exercise("nb09.explain_int4_draft", notebook=NB, kind="explain", stretch=True,
-          title="stretch: what does an int4 draft buy when the target is dequantized Q4_1?",
-          solution="a",
-          wrong_variants={"low acceptance": ("b", ("acceptance is high",)),
-                          "changes output": ("c", ("never the output",))})
-def _check_explain_int4_draft(answer) -> object:
-    return choice_verdict(answer, "a", _INT4_CHOICES)
+@exercise("nb09.explain_early_exit", notebook=NB, kind="explain", stretch=True,
+          title="stretch: why does no early-exit depth pay off on SmolLM2?",
+          solution="b", choices=_EARLY_EXIT_CHOICES,
+          wrong_variants={"second pass": ("a", ("never changes the output",)),
+                          "no cache": ("c", ("own KV cache",))})
+def _check_explain_early_exit(answer) -> object:
+    return choice_verdict(answer, "b", _EARLY_EXIT_WHY)

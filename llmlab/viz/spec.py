@@ -23,12 +23,16 @@ _COLORS = {"accepted": "tab:green", "rejected": "tab:red", "target": "tab:blue"}
 
 
 def plot_timeline(accepted_per_step: list[int], drafted_per_step: list[int],
-                  max_steps: int | None = None, ax=None, title: str = ""):
+                  max_steps: int | None = None, ax=None, title: str = "",
+                  num_tokens: int | None = None):
     """One generation, a row per target forward (the prefill first): the drafts it verified
     (green: accepted, red: rejected and rolled back) and the one token the target adds (blue,
     hatched: the correction at the first rejection; filled: the bonus after all drafts, or
     the token of a plain decode step where nothing was drafted). The x axis is the
-    position in the output, so each row starts where the previous one's tokens ended."""
+    position in the output, so each row starts where the previous one's tokens ended.
+    ``num_tokens``: the tokens the generation kept (``SpecStats.num_generated``); a last
+    step that ran past the end-of-sequence token or the budget is drawn up to there, and
+    the title counts these."""
     if len(accepted_per_step) != len(drafted_per_step):
         raise ValueError(f"{len(accepted_per_step)} accepted counts for "
                          f"{len(drafted_per_step)} steps; they must match")
@@ -39,15 +43,20 @@ def plot_timeline(accepted_per_step: list[int], drafted_per_step: list[int],
         _, ax = plt.subplots(figsize=(9, 0.28 * len(steps) + 1.4), dpi=80)
     ax.add_patch(Rectangle((0, -0.4), 1, 0.8, color=_COLORS["target"]))     # the prefill's token
     pos = 1
+    end = float("inf") if num_tokens is None else num_tokens
     for row, (acc, drafted) in enumerate(steps, start=1):
         for i in range(drafted):
             kind = "accepted" if i < acc else "rejected"
+            if kind == "accepted" and pos + i >= end:
+                break
             ax.add_patch(Rectangle((pos + i, row - 0.4), 0.92, 0.8, color=_COLORS[kind],
                                    alpha=1.0 if kind == "accepted" else 0.45))
-        ax.add_patch(Rectangle((pos + acc, row - 0.4), 0.92, 0.8, color=_COLORS["target"],
-                               fill=acc == drafted, hatch=None if acc == drafted else "//",
-                               ec=_COLORS["target"], lw=1))
-        pos += acc + 1
+        if pos + acc < end:
+            ax.add_patch(Rectangle((pos + acc, row - 0.4), 0.92, 0.8, color=_COLORS["target"],
+                                   fill=acc == drafted, hatch=None if acc == drafted else "//",
+                                   ec=_COLORS["target"], lw=1))
+        pos = min(pos + acc + 1, end)
+    pos = int(pos)
     width = max(pos + max((d for _, d in steps), default=0), 2)
     ax.set_xlim(0, width)
     ax.set_ylim(len(steps) + 0.6, -0.6)
@@ -68,7 +77,8 @@ def plot_timeline(accepted_per_step: list[int], drafted_per_step: list[int],
 
 def plot_speedup_vs_k(rows: list[dict], axes=None, highlight: tuple[str, int] | None = None):
     """Two panels per method: acceptance rate against k, and the measured speedup (median,
-    error bar min-max) with the cost model E[tokens per step] / (1 + k·c) dashed.
+    error bar min-max) with the cost model's prediction (``row["model"]``, e.g.
+    E[tokens per step] / (verify + k·c)) dashed.
 
     rows: {"method", "k", "accept", "speedup", "lo", "hi", "model"}, one per (method, k).
     ``highlight``: a (method, k) circled in both panels."""

@@ -35,11 +35,42 @@ def accept_reject(p, q, drafts, generator=None):
 exercises.check("nb09.accept_reject", accept_reject)
 
 # %% [markdown]
+# ## Build: one speculative step
+#
+# Draft first, then feed the last emitted token and the drafts to the target in one forward:
+# row i of its logits is the target's choice after input i, so draft i + 1 is checked by row i,
+# and after n accepted drafts row n is the next token (a correction, or the bonus when n = k).
+# The forward wrote the K/V of all k + 1 inputs; the step keeps t and the n accepted drafts
+# (the emitted token after them has no K/V yet: the next step feeds it) and truncates the rest.
+
+# %%
+def speculative_step(model, cache, seq, draft, k):
+    drafts = [int(d) for d in draft(seq, k)][:k]
+    ids = torch.tensor([[seq[-1]] + drafts], dtype=torch.long, device=model.device)
+    start = cache.length
+    positions = cache.begin(ids.shape[1])
+    logits = model.step(ids, positions, cache)[0]           # [len(drafts) + 1, vocab]
+    cache.advance()
+    target = logits.argmax(-1).tolist()                     # the target's token after each
+    emitted = []
+    for i, d in enumerate(drafts):
+        if d != target[i]:
+            break
+        emitted.append(d)
+    n = len(emitted)
+    emitted.append(target[n])         # the correction at the first mismatch, or the bonus
+    cache.truncate(start + n + 1)     # keep t and the accepted drafts; forget the rest
+    return emitted
+
+
+exercises.check("nb09.speculative_step", speculative_step)
+
+# %% [markdown]
 # ## Predict: which k is best?
 #
 # With the cost model, k grows while the k-th draft's expected tokens α^k outweigh what it
 # costs. Prompt lookup drafts for free, but on a CPU the verify forward of k + 1 tokens is not
-# free either, and on an edit answer the match breaks at every corrected word, so the last
+# free either (the notebook measures v(k + 1)), and on an edit answer the match breaks at every corrected word, so the last
 # drafts of a long run are often rejected. The notebook compares your answer with its
 # measurement; here, without one, the check uses the cost model at α = 0.8 and c = 0.15.
 
@@ -51,11 +82,11 @@ exercises.check("nb09.predict_best_k", 4)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb09.explain_batching", "b")
+exercises.check("nb09.explain_batching", "c")
 
 # %% [markdown]
-# ## Stretch: an int4 draft of a Q4_1 model
+# ## Stretch: early exit on SmolLM2
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb09.explain_int4_draft", "a")
+exercises.check("nb09.explain_early_exit", "b")
