@@ -322,7 +322,7 @@ LOOP_CONTEXT = 1024          # tokens: a small KV pool, quick to allocate
 # (name, API, prompt, max_tokens, ignore_eos): A streams first and long; B, C (chat,
 # streamed) and D (not streamed) are sent once A's first token has arrived
 _LOOP_REQUESTS = (
-    ("A", "completion", "The history of the Roman Empire began", 40, True),
+    ("A", "completion", "The history of the Roman Empire began", 32, True),
     ("B", "chat", "What is the capital of France?", 16, False),
     ("C", "chat", "Name three colors of the rainbow.", 16, False),
     ("D", "completion-whole", "The three primary colors are", 12, False),
@@ -343,18 +343,15 @@ def _loop_reference(model: str) -> dict[str, str]:
     from ..engine import LLM, SamplingParams
 
     llm = LLM(*_loop_model(model), max_num_seqs=LOOP_SEATS, max_model_len=LOOP_CONTEXT)
-    want = {}
-    for chat in (False, True):
-        reqs = [r for r in _LOOP_REQUESTS if (r[1] == "chat") == chat]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos)
-                  for _, _, _, n, ignore_eos in reqs]
-        if chat:
-            outs = llm.chat([[{"role": "user", "content": r[2]}] for r in reqs], params,
-                            use_tqdm=False)
-        else:
-            outs = llm.generate([r[2] for r in reqs], params, use_tqdm=False)
-        want.update({r[0]: out.outputs[0].text for r, out in zip(reqs, outs)})
-    return want
+    prompts, params = [], []
+    for name, api, prompt, n, ignore_eos in _LOOP_REQUESTS:
+        if api == "chat":
+            text, ids = llm.chat_prompt([{"role": "user", "content": prompt}])
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+        prompts.append(prompt)
+        params.append(SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
+    outs = llm.generate(prompts, params, use_tqdm=False)          # one batch
+    return {r[0]: out.outputs[0].text for r, out in zip(_LOOP_REQUESTS, outs)}
 
 
 class _StepLog:
@@ -412,10 +409,9 @@ def _send(client, model, spec, times, stop_after=None):
     return text
 
 
-def _engine_loop_problem(loop, server, steps, client, model, want):
-    """Run the requests against the server; -> a failing Verdict, or None."""
-    engine = loop.engine
-
+def _engine_loop_problem(loop, server, steps, client, model, got):
+    """Run the requests against the server (their texts go to ``got``); -> a failing
+    Verdict, or None."""
     def died():
         if loop.exception is not None:       # the student's loop raised: say what it raised
             raise loop.exception
@@ -436,7 +432,7 @@ def _engine_loop_problem(loop, server, steps, client, model, want):
         for name in ("B", "C", "D"):
             futures[name] = pool.submit(_send, client, model, specs[name], times[name])
             time.sleep(0.05)
-        got, errors = {}, {}
+        errors = {}
         for name, fut in futures.items():
             try:
                 got[name] = fut.result(timeout=120)
@@ -460,12 +456,6 @@ def _engine_loop_problem(loop, server, steps, client, model, want):
                      "step runs no handler reads a request, sends a token or notices a "
                      "disconnect.",
                      "await the step in a worker thread: `await asyncio.to_thread(engine.step)`.")
-    for name, *_ in _LOOP_REQUESTS:
-        if got[name] != want[name]:
-            return wrong(f"request {name}'s text differs from llmlab's greedy answer: yours "
-                         f"{got[name]!r}, llmlab's {want[name]!r}.",
-                         "send each (seq, token_id) of a step to the stream of seq.request, "
-                         "once, and finish a stream only when its request is finished.")
     first = steps.records[0][2] if steps.records else ()
     a_id = first[0] if first else None
     together = [ids for _, _, ids, _ in steps.records if a_id in ids and len(ids) > 1]
@@ -538,7 +528,6 @@ def _check_engine_loop(fn, model: str = LOOP_MODEL) -> object:
         return wrong(f"expected a coroutine function, `async def engine_loop(engine, inbox)`; "
                      f"got {fn!r}.", "it runs as a task on the server's event loop: define it "
                      "with async def.")
-    want = _loop_reference(model)            # computed before the student's code runs
     llm = LLM(*_loop_model(model), max_num_seqs=LOOP_SEATS, max_model_len=LOOP_CONTEXT)
     steps = _StepLog(llm.engine)
     app = create_app(llm, model, engine_loop=fn)
@@ -548,9 +537,17 @@ def _check_engine_loop(fn, model: str = LOOP_MODEL) -> object:
         with ThreadServer(app) as server:
             client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none",
                                    max_retries=0, timeout=60)
-            problem = _engine_loop_problem(loop, server, steps, client, model, want)
+            got: dict[str, str] = {}
+            problem = _engine_loop_problem(loop, server, steps, client, model, got)
     if problem is not None:
         return problem
+    want = _loop_reference(model)            # llmlab's answers, outside the forbid block
+    for name, *_ in _LOOP_REQUESTS:
+        if got[name] != want[name]:
+            return wrong(f"request {name}'s text differs from llmlab's greedy answer: yours "
+                         f"{got[name]!r}, llmlab's {want[name]!r}.",
+                         "send each (seq, token_id) of a step to the stream of seq.request, "
+                         "once, and finish a stream only when its request is finished.")
     n = len(steps.records)
     widest = max(len(ids) for _, _, ids, _ in steps.records)
     return right(f"{len(_LOOP_REQUESTS)} concurrent openai clients got llmlab's greedy text "
