@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..layers.moe_stats import MIXTRAL_8X7B, simulate_capacity
-from . import choice_verdict, compare_tensors, exercise, first_token_difference, right, wrong
+from . import (choice_verdict, compare_tensors, exercise, first_token_difference, forbid, right,
+               wrong)
 
 NB = "06_mixture_of_experts"
 TOL = 1e-4  # a model's logits with the student's dispatch against dense dispatch
@@ -153,6 +154,31 @@ def _every_expert(x, logits, k, w_gate, w_up, w_down):
                * combine[:, e, None] for e in range(w_gate.shape[0]))
 
 
+def _library_wrapper(x, logits, k, *w):
+    from ..layers import moe as M
+
+    return M.dispatch_grouped(x, *M.route(logits, k), *w)
+
+
+def _library_pieces():
+    """llmlab's own routing and dispatch (and the grouped GEMM under them): during a check
+    they raise, so an answer that wraps them is told so."""
+    from ..kernels import moe_gemm
+    from ..layers import moe as M
+
+    return (M.route, M.group_by_expert, M.dispatch_grouped, M.dispatch_loop, M.dispatch_dense,
+            moe_gemm.grouped_swiglu, moe_gemm.grouped_gemm, moe_gemm.grouped_gemm_torch,
+            moe_gemm.grouped_gemm_triton)
+
+
+def _guarded(fn):
+    """``fn`` with llmlab's own routing and dispatch forbidden while it runs."""
+    def run(*args):
+        with forbid(*_library_pieces()):
+            return fn(*args)
+    return run
+
+
 def _small_case(tokens: int, experts: int, hidden: int = 16, inter: int = 24, equal: bool = False,
                 seed: int = 0, never=()):
     g = torch.Generator().manual_seed(seed)
@@ -177,7 +203,7 @@ def _equal_experts_problem(fn) -> str | None:
     """With equal experts a token's output is (sum of its k weights) × the MLP's output."""
     k = 2
     x, logits, ws = _small_case(37, 6, equal=True, seed=1, never=(4,))
-    got = fn(x, logits, k, *ws)
+    got = _guarded(fn)(x, logits, k, *ws)
     want = F.linear(F.silu(F.linear(x, ws[0][0])) * F.linear(x, ws[1][0]), ws[2][0])
     problem = compare_tensors(got, want, "the output", atol=1e-5)
     if problem is None:
@@ -211,8 +237,8 @@ def _equal_experts_problem(fn) -> str | None:
 def _distinct_experts_problem(fn) -> str | None:
     for tokens, experts, k, never in ((37, 6, 2, (4,)), (1, 4, 2, ()), (20, 8, 3, (0, 7))):
         x, logits, ws = _small_case(tokens, experts, seed=tokens, never=never)
-        got = fn(x, logits, k, *ws)
         want = _reference(x, logits, k, ws)
+        got = _guarded(fn)(x, logits, k, *ws)
         problem = compare_tensors(got, want, "the output", atol=1e-5)
         if problem is None:
             continue
@@ -234,7 +260,7 @@ def _flop_problem(fn) -> str | None:
     tokens, experts, k, hidden, inter = 64, 8, 2, 16, 24
     x, logits, ws = _small_case(tokens, experts, hidden, inter, seed=5)
     with FlopCounterMode(display=False) as counter:
-        fn(x, logits, k, *ws)
+        _guarded(fn)(x, logits, k, *ws)
     flops = counter.get_total_flops()
     need = tokens * k * 2 * 3 * hidden * inter
     if flops > 1.5 * need:
@@ -268,7 +294,7 @@ def _model_problem(fn) -> tuple[str | None, list[str]]:
 
     done = []
     name_in_registry = "nb06 exercise"
-    register_dispatch(name_in_registry, fn)
+    register_dispatch(name_in_registry, _guarded(fn))  # the layer routes for its own records first
     try:
         for name in ("tiny-mixtral", "smollm2-135m-moe8"):
             model, ids, ref = _model_and_reference(name)
@@ -300,6 +326,8 @@ def _model_problem(fn) -> tuple[str | None, list[str]]:
               "weights applied to the wrong expert after sorting": (_weights_not_sorted,
                                                                     ("wrong rows", "sort")),
               "every expert on every token": (_every_expert, ("FLOPs", "did not choose")),
+              "a wrapper around llmlab's own route and dispatch_grouped":
+                  (_library_wrapper, ("llmlab's own",)),
           })
 def _check_moe_dispatch(fn):
     """``fn(x [tokens, hidden], router_logits [tokens, E], top_k, w_gate [E, inter, hidden],
@@ -356,28 +384,44 @@ def _check_predict_drops(answer, measured: float | None = None):
 
 # ---- 4. explain: a balance loss near uniform with a lopsided load --------------------------------
 
+_BALANCE_CHOICES = {
+    "a": "averaging over the 30 layers hides it: the most lopsided layer's own loss is several "
+         "times α",
+    "b": "an untrained router's probabilities are all exactly 1/N, so every mean Pᵢ is 1/N and "
+         "the loss is α whatever the counts fᵢ are",
+    "c": "the excess over α is α·N·Σᵢ(fᵢ − 1/N)(Pᵢ − 1/N): top-k turns small leads in Pᵢ into "
+         "big gaps in fᵢ; the product stays small",
+    "d": "a short text gives too few tokens for the loss to be computed; a longer text would push "
+         "it far above α",
+}
+
 _BALANCE = {
-    "a": "the loss is averaged over the layers, but the lopsided layers are many, not one, "
-         "and each layer's own loss is also close to 0.010.",
-    "b": "the loss is α·N·Σᵢ fᵢ·Pᵢ. This untrained router's probabilities are nearly "
-         "flat (every expert's mean probability Pᵢ is close to 1/8), so Σᵢ fᵢ·Pᵢ is an average "
-         "of nearly equal numbers, about 1/N whatever the counts fᵢ are: the value barely moves. "
-         "Its gradient with respect to Pᵢ is fᵢ, which is lopsided, so training still pushes the "
-         "busy experts' probabilities down; the loss grows only as the router grows confident.",
-    "c": "the loss is computed exactly from every token's routing; a short text makes the "
-         "counts noisy, not the formula wrong.",
-    "d": "fᵢ counts all k = 2 assignments of every token, not only the first choices.",
+    "a": "each layer's own loss is printed above: even the largest stays below twice α, while "
+         "its busiest expert carries several times the mean load. Averaging is not what hides it.",
+    "b": "the printed mean probabilities Pᵢ of the most lopsided layer are not all 1/N: they "
+         "spread visibly around it. A flat router is not what keeps the loss down.",
+    "c": "since Σᵢ fᵢ = Σᵢ Pᵢ = 1, α·N·Σᵢ fᵢPᵢ = α + α·N·Σᵢ(fᵢ − 1/N)(Pᵢ − 1/N): a lopsided "
+         "count fᵢ raises the loss only as far as its mean probability Pᵢ also leaves 1/N. Top-k "
+         "sends every token to its two largest probabilities even when they lead by a hair, so "
+         "the counts fᵢ spread several times more than the mean probabilities Pᵢ (the two "
+         "printed rows), and the product of a large and a small deviation is small. The "
+         "gradient with respect to Pᵢ is α·N·fᵢ, which is lopsided, so training still pushes "
+         "the busy experts' probabilities down.",
+    "d": "the loss is computed exactly from every token's routing, whatever the number of "
+         "tokens; more tokens make the counts less noisy, they do not change the formula.",
 }
 
 
-@exercise("nb06.explain_balance_loss", notebook=NB, kind="explain", solution="b",
-          title="why the balance loss is near 0.010 while an expert carries 3.7× the mean",
-          wrong_variants={"averaging over layers": ("a", ("many",)),
-                          "too few tokens": ("c", ("exactly",))})
+@exercise("nb06.explain_balance_loss", notebook=NB, kind="explain", solution="c",
+          title="why the balance loss stays close to α while the expert loads are lopsided",
+          choices=_BALANCE_CHOICES,
+          wrong_variants={"averaging over layers": ("a", ("own loss",)),
+                          "probabilities exactly uniform": ("b", ("not all 1/N",)),
+                          "too few tokens": ("d", ("exactly",))})
 def _check_explain_balance_loss(answer):
-    """(a) averaging over layers hides it; (b) near-uniform probabilities; (c) too few tokens
-    to compute it; (d) only first choices are counted."""
-    return choice_verdict(answer, "b", _BALANCE)
+    """(a) averaging over layers hides it; (b) exactly uniform probabilities; (c) the excess is
+    a product of the count and the probability deviations; (d) too few tokens."""
+    return choice_verdict(answer, "c", _BALANCE)
 
 
 # ---- 5. stretch: dropping over capacity ------------------------------------------------------------

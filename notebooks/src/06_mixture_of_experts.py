@@ -103,30 +103,29 @@ print("offsets (expert e owns sorted rows offsets[e]:offsets[e+1]):", offsets.to
 # %% [markdown]
 # ## Build: routing and grouped dispatch
 #
-# Write `moe_dispatch(x, router_logits, top_k, w_gate, w_up, w_down)`:
+# Write `moe_dispatch(x, router_logits, top_k, w_gate, w_up, w_down) -> [tokens, hidden]`, the
+# whole MoE layer after its router:
 #
-# * `x` [tokens, hidden]; `router_logits` [tokens, E]; `w_gate`, `w_up` [E, inter, hidden];
-#   `w_down` [E, hidden, inter] (each expert e is a SwiGLU MLP:
-#   `down(silu(x @ w_gate[e].T) * (x @ w_up[e].T))`, with `down(h) = h @ w_down[e].T`);
-# * route as Mixtral does (softmax in float32, top-k, renormalize);
-# * flatten the (token, expert) pairs, sort them by expert (`torch.argsort(..., stable=True)`),
-#   count each expert's pairs (`torch.bincount(..., minlength=E)`) and turn the counts into
-#   offsets;
-# * run each expert **once**, on its own contiguous rows, and add each row's output, times its
-#   routing weight, to its token (`index_add_`, or an inverse permutation and a sum).
+# * `x` [tokens, hidden]; `router_logits` [tokens, E], the router's raw output;
+# * `w_gate`, `w_up` [E, inter, hidden] and `w_down` [E, hidden, inter]: expert e is the SwiGLU
+#   MLP `down(silu(x @ w_gate[e].T) * (x @ w_up[e].T))` with `down(h) = h @ w_down[e].T`;
+# * route as Mixtral does (above), then run the experts the grouped way: each expert **once**,
+#   on exactly the rows of the tokens that chose it, and each token's output is the weighted
+#   sum of its k experts' outputs.
 #
 # The checker tries it on small layers first (equal experts, then distinct ones, then counts its
-# FLOPs), then registers it as a dispatch of the real MoE layers
-# (`llmlab.layers.moe.register_dispatch`) and runs tiny-mixtral and the upcycled SmolLM2 with it,
-# against dense dispatch.
+# matrix-multiply FLOPs, which must be those of top-k, not of every expert), then registers it
+# as a dispatch of the real MoE layers (`llmlab.layers.moe.register_dispatch`) and runs
+# tiny-mixtral and the upcycled SmolLM2 with it, against dense dispatch. During the check
+# llmlab's own `route`, `group_by_expert` and dispatch functions refuse to run: write it from
+# tensor operations.
 
 # %%
 import torch.nn.functional as F
 
 
 def moe_dispatch(x, router_logits, top_k, w_gate, w_up, w_down):
-    # YOUR CODE HERE: route (softmax, top-k, renormalize), sort pairs by expert, offsets,
-    # one pass per expert over its rows, weighted sum back into each token
+    # YOUR CODE HERE
     raise NotImplementedError
 
 
@@ -244,30 +243,51 @@ fig = plot_layer_loads(loads, f"smollm2-135m-moe8 (random router), {ids.shape[1]
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from IPython.display import Markdown
+
 report = S.routing_report(noisy, alpha=0.01)
 layer_probs = torch.stack([torch.softmax(m.last_router_logits.float(), -1).mean(0)
                            for m in M.moe_layers(noisy)])  # Pᵢ per layer
+layer_shares = loads.float() / loads.sum(1, keepdim=True)   # fᵢ per layer
 worst = max(report, key=lambda r: r.max_over_mean)
+losses = torch.tensor([r.balance_loss for r in report])
+lopsided = sum(r.max_over_mean >= 2 for r in report)
 print("tokens:", ids.shape[1], "| assignments per layer:", int(loads[0].sum()))
-print(f"balance loss: mean over layers {sum(r.balance_loss for r in report) / len(report):.4f}, "
-      f"largest {max(r.balance_loss for r in report):.4f} (uniform: 0.0100)")
-print(f"most lopsided layer: {worst.layer}, busiest expert at {worst.max_over_mean:.1f}× the mean load; "
-      f"that layer's balance loss {worst.balance_loss:.4f}")
-print(f"mean router probabilities Pᵢ over all layers: {layer_probs.min():.3f} to {layer_probs.max():.3f} "
-      f"(uniform: {1 / 8:.3f})")
+print(f"layers whose busiest expert has at least 2x the mean load: {lopsided} of {len(report)}")
+print(f"balance loss: mean over layers {losses.mean():.4f}, smallest {losses.min():.4f}, "
+      f"largest {losses.max():.4f} (uniform routing: 0.0100)")
+f_w, p_w = layer_shares[worst.layer], layer_probs[worst.layer]
+print(f"most lopsided layer {worst.layer}: busiest expert at {worst.max_over_mean:.1f}x the mean load, "
+      f"balance loss {worst.balance_loss:.4f}")
+print("  load share fᵢ:        ", " ".join(f"{v:.3f}" for v in f_w))
+print("  mean probability Pᵢ:  ", " ".join(f"{v:.3f}" for v in p_w))
+others = [i for i in range(len(report)) if i != worst.layer]
+spread_p = (layer_probs[others] - 1 / 8).abs().max()
+spread_f = (layer_shares[others] - 1 / 8).abs().max()
+print(f"the other {len(others)} layers: Pᵢ within ±{spread_p:.3f} of 1/8 = 0.125, "
+      f"fᵢ within ±{spread_f:.3f}")
+excess = 0.01 * 8 * ((layer_shares - 1 / 8) * (layer_probs - 1 / 8)).sum(1)
+assert torch.allclose(excess, losses - 0.01, atol=1e-5)  # loss = α + α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N)
+# what the question's answers rely on: every loss below 2α; the counts spread several times more
+# than the probabilities, in the most lopsided layer too, whose probabilities are not flat
+assert losses.max() < 0.02 and spread_f > 2 * spread_p
+assert (f_w - 1 / 8).abs().max() > 2 * (p_w - 1 / 8).abs().max() and (p_w - 1 / 8).abs().max() > 0.01
+
+# %%
+Markdown(f"An untrained router is far from balanced in its *counts*: in {lopsided} of the "
+         f"{len(report)} layers the busiest expert gets at least twice the mean load (up to "
+         f"{worst.max_over_mean:.1f}× in layer {worst.layer}). Yet the balance loss averages "
+         f"{losses.mean():.4f} over the layers, {100 * (losses.mean() / 0.01 - 1):.0f}% above its "
+         f"uniform value, and even layer {worst.layer} reaches only {worst.balance_loss:.4f}. "
+         f"The mean probabilities Pᵢ stay within ±{spread_p:.3f} of 1/8 in the other layers, "
+         f"while the load shares fᵢ move by up to ±{spread_f:.3f}.")
 
 # %% [markdown]
-# An untrained router is far from balanced in its *counts*: in several layers one expert gets
-# two or three times its share. Yet the balance loss stays near its uniform value.
-#
-# **Exercise (explain).** Why is the balance loss so close to 0.010 while one expert carries
-# several times the mean load? Pick one:
-#
-# * (a) the loss is averaged over the 30 layers, which hides the one lopsided layer;
-# * (b) the loss multiplies each expert's load share fᵢ by its mean router probability Pᵢ, and
-#   this router's probabilities are nearly uniform;
-# * (c) a few dozen tokens are too few for the loss to be computed;
-# * (d) the loss counts only each token's first choice.
+# **Exercise (explain).** Why does the balance loss stay so close to α while the loads are this
+# lopsided? The two printed rows of the most lopsided layer are the place to look.
+
+# %%
+exercises.ask("nb06.explain_balance_loss")
 
 # %%
 my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"

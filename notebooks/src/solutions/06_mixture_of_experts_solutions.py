@@ -48,15 +48,16 @@ exercises.check("nb06.moe_dispatch", moe_dispatch)
 # %% [markdown]
 # ## Explain: the balance loss near its uniform value
 #
-# α · N · Σᵢ fᵢ · Pᵢ is N times an average of the Pᵢ weighted by the load shares fᵢ. When the
-# router's mean probabilities Pᵢ are all close to 1/N (an untrained router is not confident),
-# that average is close to 1/N whatever the fᵢ are, so the loss stays near α even with a
-# lopsided load. Its gradient with respect to Pᵢ is proportional to fᵢ, so training still
-# pushes the busy experts down.
+# Because Σᵢ fᵢ = Σᵢ Pᵢ = 1, α · N · Σᵢ fᵢ · Pᵢ = α + α · N · Σᵢ (fᵢ − 1/N)(Pᵢ − 1/N): the excess
+# over α is a product of how far each expert's load share and its mean probability are from
+# uniform. Top-k sends each token to its two largest probabilities however small their lead,
+# so the counts spread several times more than the mean probabilities do, and the product
+# stays small. Its gradient with respect to Pᵢ is α · N · fᵢ, so training still pushes the
+# busy experts down.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb06.explain_balance_loss", "b")
+exercises.check("nb06.explain_balance_loss", "c")
 
 # %% [markdown]
 # ## Predict, then measure: drops with an unbiased router
