@@ -130,6 +130,8 @@ def test_use_parallel_forwards_swaps_and_restores():
 def test_checkers_answer_the_wrong_form_clearly():
     v = exercises.check("nb07.tensor_parallel_linear", lambda x, w, b: x)
     assert not v.passed and "pair of functions" in v.message
+    v = exercises.check("nb07.tensor_parallel_block", "not a function")
+    assert not v.passed and "expected a function" in v.message
     v = exercises.check("nb06.moe_dispatch", lambda x, logits, k, *w: x[:1])
     assert not v.passed and "shape (1, 16)" in v.message and "(37, 16)" in v.message
     v = exercises.check("nb06.capacity_drop", lambda e, n, cf: [True])
@@ -145,8 +147,79 @@ def test_a_placeholder_is_told_not_yet_without_starting_processes(monkeypatch):
     launch_module = sys.modules["llmlab.parallel.launch"]  # the package re-exports the function
     started = []
     monkeypatch.setattr(launch_module, "launch", lambda *a, **k: started.append(a))
-    for name in ("nb07.tensor_parallel_linear", "nb07.sequence_parallel_norm"):
+    for name in ("nb07.tensor_parallel_linear", "nb07.tensor_parallel_block",
+                 "nb07.sequence_parallel_norm"):
         ex = exercises.get(name)
         v = ex.check(ex.placeholder)
         assert not v.passed and "NotImplementedError" in v.message
     assert started == []
+
+
+def test_the_moe_checker_forbids_the_library_only_while_it_runs():
+    """A wrapper around llmlab's own routing fails with a message naming it, and afterwards the
+    library's functions run again (the model's dispatch and the notebook's cells use them)."""
+    from llmlab.exercises import nb06
+    from llmlab.layers import moe as M
+
+    v = exercises.check("nb06.moe_dispatch", nb06._library_wrapper)
+    assert not v.passed and "llmlab's own" in v.message and "moe.route" in v.message
+    x, logits, ws = nb06._small_case(9, 4, seed=2)
+    weights, experts = M.route(logits, 2)
+    assert torch.allclose(M.dispatch_grouped(x, weights, experts, *ws),
+                          M.dispatch_loop(x, weights, experts, *ws), atol=1e-5)
+
+
+def test_the_block_checker_names_the_mistakes_it_can_see_on_one_rank():
+    """The diagnosis of the tensor-parallel block, without processes: every rank's partial
+    sums are simulated in this process, so each mistake's output is known exactly."""
+    from llmlab.exercises import nb07
+    from llmlab.models import load_model
+
+    layer = load_model("tiny-llama").layers[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 64, generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    with torch.inference_mode():
+        want = layer(x, pos)
+        cands = dict((text.split(":")[0], value) for text, value in
+                     nb07._block_candidates(layer, x, pos, rank=1, tp=2))
+        # the sum over ranks of the simulated parts is the layer itself
+        parts = [nb07._block_parts(layer, x, pos, r, 2) for r in range(2)]
+        x1 = x + sum(p[0] for p in parts)
+        assert torch.allclose(x1 + sum(p[1](x1) for p in parts), want, atol=1e-5)
+    assert len(cands) == 5 and all(v is not None for v in cands.values())
+    for value in cands.values():  # every mistake changes the output
+        assert float((value - want).abs().max()) > 1e-3
+    flops = nb07._block_flops(layer, 12, 2)
+    assert flops["sharded"] * 2 == flops["full"] and flops["kv_extra"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, words", [
+    ("_tp_block_residual_in_the_sum", ("residual", "2 times")),
+    ("_tp_block_kv_computed_whole", ("all 4 KV heads", "MFLOP")),
+])
+def test_the_block_checker_on_real_ranks_names_two_more_mistakes(variant, words):
+    from llmlab.exercises import nb07
+
+    v = exercises.check("nb07.tensor_parallel_block", getattr(nb07, variant))
+    assert not v.passed and all(w in v.message for w in words), v.message
+
+
+@pytest.mark.slow
+def test_a_decode_step_account_adds_up_on_two_ranks():
+    """decode_account_on_ranks: the parts of each rank's step add up to its median step, the
+    collectives are the model's (2 per layer + the embedding's all-reduce + the logits
+    all-gather), and tp = 2 calls as many other operators as one process."""
+    from llmlab.parallel.workers import decode_account_on_ranks
+
+    one = launch(decode_account_on_ranks, 1, "tiny-llama", 8, 5, 1, 2)
+    two = launch(decode_account_on_ranks, 2, "tiny-llama", 8, 5, 1, 2)
+    assert [a.rank for a in two] == [0, 1] and all(a.tp == 2 and a.threads == 1 for a in two)
+    assert one[0].collectives == 0 and one[0].inside_collectives_s == 0
+    for a in two:
+        assert a.collectives == 2 * 2 + 1 + 1 and a.inside_collectives_s > 0
+        assert a.matmul_s > 0 and a.matmul_ops == one[0].matmul_ops
+        assert a.other_ops == pytest.approx(one[0].other_ops, rel=0.1)
+        assert a.matmul_s + a.other_s + a.inside_collectives_s == pytest.approx(a.median_s)
+        assert len(a.step_s) == len(a.collective_s) == 5 and a.op_overhead_s > 0

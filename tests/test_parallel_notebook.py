@@ -13,7 +13,9 @@ from llmlab.config import ModelConfig  # noqa: E402
 from llmlab.models import resolve  # noqa: E402
 from llmlab.parallel.comm import (A100_NVLINK, A100_PCIE, LLAMA2_70B, allreduce_per_token,  # noqa: E402
                                   fit_latency_bandwidth, ring_allreduce_s, tp_decode_model)
-from llmlab.viz.tp import plot_allreduce, plot_time_per_token, plot_tp_scaling, plot_tp_split  # noqa: E402
+from llmlab.parallel.workers import StepAccount  # noqa: E402
+from llmlab.viz.tp import (plot_allreduce, plot_step_account, plot_time_per_token,  # noqa: E402
+                           plot_tp_scaling, plot_tp_split)
 
 SMOL = ModelConfig.from_file(resolve("smollm2-135m"))
 
@@ -72,3 +74,23 @@ def test_fit_latency_bandwidth_recovers_a_line():
         fit_latency_bandwidth(rows[:1])
     flat = [{"bytes": b, "us": us} for b, us in ((256, 110.0), (4096, 90.0), (65536, 100.0))]
     assert fit_latency_bandwidth(flat) == (pytest.approx(100.0), math.inf)  # all latency
+
+
+def test_step_account_parts_and_their_figure():
+    one = StepAccount(1, 0, 1, [0.050, 0.054, 0.052, 0.060, 0.051], [0.0] * 5, 0, 0.040, 1560, 271, 3e-6)
+    three = StepAccount(3, 0, 1, [0.25, 0.26, 0.24, 0.30, 0.27], [0.20, 0.21, 0.19, 0.25, 0.22], 62,
+                        0.015, 1641, 271, 3e-6)
+    assert one.median_s == pytest.approx(0.052) and one.other_s == pytest.approx(0.012)
+    assert three.inside_collectives_s == pytest.approx(0.21)
+    assert three.other_s == pytest.approx(0.26 - 0.21 - 0.015)
+    assert three.other_ops == 1641 - 62 - 271
+    fig = plot_step_account(["tp=1", "tp=3"], [one, three], allreduce_us=1000.0, device="cpu")
+    ax = fig.axes[0]
+    widths = [p.get_width() for p in ax.patches]
+    # tp=3's collectives: 62 calls at 1 ms = 62 ms at the isolated cost, the rest waiting
+    assert 62.0 in [pytest.approx(w) for w in widths]
+    assert sum(w for w in widths) == pytest.approx((0.052 + 0.26) * 1e3)
+    assert "waiting" in " ".join(ax.get_legend_handles_labels()[1])
+    plt.close(fig)
+    with pytest.raises(ValueError, match="one label per account"):
+        plot_step_account(["a"], [one, three])

@@ -144,3 +144,131 @@ def mlp_backward_on_ranks(hidden: int, intermediate: int, tokens: int, seed: int
 def run_sequence(calls: list[tuple]) -> list:
     """Run several workers in one launch (spawning ranks costs seconds): calls = [(fn, args), ...]."""
     return [fn(*args) for fn, args in calls]
+
+
+@dataclass
+class StepAccount:
+    """One rank's decode step, timed whole and taken apart (from :func:`decode_account_on_ranks`).
+
+    ``step_s`` and ``collective_s``: every timed step's wall time and the part of it spent
+    inside collectives (all-reduces, the logits all-gather), from the same unprofiled runs.
+    ``matmul_s``: median time inside the matrix multiplies, from profiled runs of the same
+    step. ``ops``: operator calls in one step (Python → dispatcher crossings, collectives
+    included); ``op_overhead_s``: what one tiny operator costs on this rank, measured while
+    the other ranks measure theirs (:func:`llmlab.profiling.overhead.measure_op_overhead`).
+    """
+    tp: int
+    rank: int
+    threads: int
+    step_s: list[float]
+    collective_s: list[float]
+    collectives: int          # collective calls per step
+    matmul_s: float
+    ops: int                  # operator calls per step, collectives and matmuls included
+    matmul_ops: int
+    op_overhead_s: float
+
+    @property
+    def median_s(self) -> float:
+        return _median(self.step_s)
+
+    @property
+    def inside_collectives_s(self) -> float:
+        return _median(self.collective_s)
+
+    @property
+    def other_s(self) -> float:
+        """The rest of the median step: operators other than matmuls, Python, the dispatcher."""
+        return self.median_s - self.inside_collectives_s - self.matmul_s
+
+    @property
+    def other_ops(self) -> int:
+        """Operator calls that are neither matmuls nor collectives (norms, RoPE, attention,
+        cache writes, elementwise, views)."""
+        return self.ops - self.collectives - self.matmul_ops
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return (s[(n - 1) // 2] + s[n // 2]) / 2 if s else float("nan")
+
+
+class _CollectiveClock:
+    """Times every ``torch.distributed`` all-reduce and all-gather this process makes (the
+    parallel layers call them through the module, so patching its attributes catches them)."""
+
+    NAMES = ("all_reduce", "all_gather")
+
+    def __init__(self):
+        self.seconds, self.calls, self._saved = 0.0, 0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+
+            def timed(*args, _fn=fn, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t
+                    self.calls += 1
+            setattr(dist, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        return False
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+def decode_account_on_ranks(model_name: str, context: int, repeats: int = 9, warmup: int = 2,
+                            profiled: int = 3, attention: str = "naive",
+                            dtype: str = "float32") -> list[StepAccount]:
+    """Time this rank's decode step (one token after ``context`` cached ones) and take it
+    apart: matmuls, everything else, time inside collectives. Every rank returns the list
+    of all ranks' :class:`StepAccount`, in rank order.
+
+    Each step starts after a barrier (outside its time), as a decode step starts after the
+    previous step's logits all-gather. The ``repeats`` timed steps run unprofiled; the
+    ``profiled`` ones (interleaved) give the matmul time and the operator count.
+    """
+    from ..profiling.overhead import _count, _matmul_seconds, _profiled, make_decode_step
+    from ..profiling.overhead import measure_op_overhead
+
+    if repeats < 5:
+        raise ValueError(f"repeats={repeats} must be >= 5 (a median of at least five)")
+    ctx = current()
+    model = load_tp_model(model_name, attention=attention, device=ctx.device, dtype=dtype)
+    step = make_decode_step(model, batch=1, context=context, steps=warmup + repeats + profiled + 1)
+    sync = dist.barrier if ctx.world_size > 1 else (lambda: None)
+    profile_at = {round(i * repeats / profiled) for i in range(profiled)}
+    step_s, coll_s, matmul, counted, calls = [], [], [], None, 0
+    with _CollectiveClock() as clock:
+        for i in range(warmup + repeats):
+            sync()
+            clock.reset()
+            t = time.perf_counter()
+            step()
+            step_s.append(time.perf_counter() - t)
+            coll_s.append(clock.seconds)
+            calls = clock.calls
+            if i - warmup not in profile_at:
+                continue
+            sync()
+            with _profiled() as prof:
+                step()
+            events = prof.events()
+            matmul.append(_matmul_seconds(events, ctx.device.type == "cuda"))
+            counted = counted or _count(events)
+    sync()
+    t_op = measure_op_overhead(calls=2000, rounds=5, device=ctx.device)
+    mine = StepAccount(ctx.world_size, ctx.rank, torch.get_num_threads(), step_s[warmup:],
+                       coll_s[warmup:], calls, _median(matmul), counted.total,
+                       sum(counted.matmul.values()), t_op)
+    return _gather(mine)

@@ -152,3 +152,42 @@ def plot_time_per_token(labels: list[str], step_s: list[list[float]], device: st
     ax.set_title(f"SmolLM2-135M decode, measured on {device}", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_step_account(labels: list[str], accounts: list, allreduce_us: float | None = None,
+                      device: str = ""):
+    """One decode step taken apart, one stacked bar per account (``StepAccount`` from
+    :func:`llmlab.parallel.workers.decode_account_on_ranks`): matmuls, the other operators
+    (Python, dispatcher, small kernels), and the time inside collectives. With
+    ``allreduce_us`` (an isolated all-reduce of one hidden vector), the collective time is
+    split into calls × that cost and the rest, spent waiting for the other ranks.
+    The bars add up to each account's median step. Returns the figure."""
+    if len(labels) != len(accounts) or not accounts:
+        raise ValueError(f"need one label per account; got {len(labels)} labels, "
+                         f"{len(accounts)} accounts")
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(accounts) + 2.2), dpi=80)
+    y = np.arange(len(accounts))[::-1]
+    parts = []
+    for a in accounts:
+        coll = a.inside_collectives_s * 1e3
+        at_cost = min(coll, a.collectives * allreduce_us / 1e3) if allreduce_us else coll
+        parts.append([a.matmul_s * 1e3, max(a.other_s, 0.0) * 1e3, at_cost, coll - at_cost])
+    parts = np.array(parts)
+    names = ["matmuls", "other operators, Python, dispatch",
+             "collectives: calls × isolated cost" if allreduce_us else "inside collectives",
+             "collectives: waiting for the other ranks"]
+    colors = ["tab:blue", "tab:orange", "tab:red", "tab:pink"]
+    left = np.zeros(len(accounts))
+    for j in range(4 if allreduce_us else 3):
+        ax.barh(y, parts[:, j], left=left, color=colors[j], label=names[j])
+        left += parts[:, j]
+    for yi, a, total in zip(y, accounts, left):
+        ax.text(total, yi, f" {a.median_s * 1e3:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlim(0, left.max() * 1.2)
+    ax.set_xlabel("ms per decode step (median; parts as measured)")
+    ax.set_title(f"One SmolLM2-135M decode step, taken apart, measured on {device}"
+                 if device else "One decode step, taken apart", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig

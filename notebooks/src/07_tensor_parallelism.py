@@ -7,12 +7,13 @@
 # each decoder layer needs only **two all-reduces** (an *all-reduce* sums a tensor across all
 # processes and leaves the sum on every one). Here the model is SmolLM2-135M, the devices are
 # real processes joined by `torch.distributed` (gloo on this CPU, NCCL on GPUs), and you
-# **write** the two parallel layers' forward passes yourself.
+# **write** a whole decoder layer's tensor-parallel forward pass yourself.
 #
-# This notebook: **Why** split at all → **How** (Megatron's column/row split) → **Build** (the
-# column- and row-parallel forward passes, run on real processes) → **Check** (tp = 3 gives
-# tp = 1's logits and tokens) → **Measure** (time per token and all-reduce cost: what two cores
-# can and cannot show) → **Play** (a scaling model for a 70B model on 8 GPUs) → exercises.
+# This notebook: **Why** split at all → **How** (Megatron's column/row split) → **Build** (one
+# decoder layer sharded by rank, attention heads and MLP features, run on real processes) →
+# **Check** (tp = 3 gives tp = 1's logits and tokens) → **Measure** (one decode step taken
+# apart: matmuls, other operators, all-reduces; what two cores can and cannot show) → **Play**
+# (a scaling model for a 70B model on 8 GPUs) → exercises.
 
 # %%
 import os
@@ -99,9 +100,8 @@ def column_shard(weight, rank, tp):
 exercises.check("nb07.column_shard", column_shard)
 
 # %% [markdown]
-# ## Build: the column- and row-parallel forward passes
-#
-# Write the two forward passes, each `(x, weight, bias) -> y`, for the rank they run on:
+# **Warm-up: the two forward passes.** Write them, each `(x, weight, bias) -> y`, for the rank
+# they run on:
 #
 # * `column_parallel_forward(x, weight, bias)`: `x` [..., in] is the full input (the same on
 #   every rank), `weight` [out/tp, in] and `bias` [out/tp] are this rank's rows. Return this
@@ -114,12 +114,11 @@ exercises.check("nb07.column_shard", column_shard)
 # over all ranks **in place** (it returns None), `dist.get_world_size()` is tp. Think about where
 # the sum is needed, and about the bias: how many times must it be added?
 #
-# The checker runs your functions on real processes (`llmlab.parallel.launch`, gloo): first on
-# small layers with biases at tp = 2, then inside the tiny Llama at tp = 2 and SmolLM2-135M at
-# tp = 3 (its 9 heads do not split in two), against one process's logits and greedy tokens.
-# Your functions live in this notebook, which the spawned processes cannot import, so they
-# travel as source text (`llmlab.parallel.portable`): keep what they need inside them or in
-# imported modules. Expect each run to take a few seconds: starting processes costs that.
+# The checker runs your functions on real processes (`llmlab.parallel.launch`, gloo): on small
+# layers with biases at tp = 2, then inside the tiny Llama at tp = 2, against one process's
+# logits and greedy tokens. Your functions live in this notebook, which the spawned processes
+# cannot import, so they travel as source text (`llmlab.parallel.portable`): keep what they
+# need inside them or in imported modules. Starting processes takes a few seconds.
 
 # %%
 import torch.distributed as dist
@@ -139,17 +138,54 @@ def row_parallel_forward(x, weight, bias):
 exercises.check("nb07.tensor_parallel_linear", (column_parallel_forward, row_parallel_forward))
 
 # %% [markdown]
-# **Compare with llmlab's.** `llmlab.layers.linear` has the same two functions,
+# ## Build: one decoder layer, sharded by rank
+#
+# Now a whole SmolLM2 decoder layer, `x + attn(norm(x))`, then `+ mlp(norm(·))`, as one rank
+# of `tp` computes it. Write `tensor_parallel_block(layer, x, positions, rank, tp) -> y`:
+#
+# * `layer` is the **full** decoder layer (the same on every rank): `layer.input_layernorm`,
+#   `layer.self_attn` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each an `nn.Linear` with a
+#   `[out, in]` weight and no bias; `num_heads`, `num_kv_heads`, `head_dim`),
+#   `layer.post_attention_layernorm` and `layer.mlp` (`gate_proj`, `up_proj`, `down_proj`).
+#   Your function takes this rank's shard out of it, as the diagram above splits it.
+# * `x` [batch, seq, hidden] is the layer's input, the same on every rank; `positions`
+#   [batch, seq] the tokens' positions. Return the layer's output [batch, seq, hidden], the
+#   same on every rank.
+# * Two pieces of the layer are yours to call: `layer.self_attn.rotary(q, k, positions)`
+#   rotates q [batch, seq, heads, head_dim] and k [batch, seq, kv_heads, head_dim] (RoPE), and
+#   `layer.self_attn.backend.forward(q, k, v, causal=True)` is causal grouped-query attention
+#   (query head j reads KV head j // (heads / kv_heads)), returning [batch, seq, heads, head_dim].
+#
+# The checker runs it on real processes: layer 0 of the tiny Llama at tp = 2 (4 query and
+# 2 KV heads per rank) on a seeded input, against the unsharded layer, counting each rank's
+# matrix-multiply FLOPs (a rank must do only its share) and its collectives; then **every
+# layer** of the tiny Llama at tp = 2 and of SmolLM2-135M at tp = 3 runs your block, against
+# one process's logits and greedy tokens. During the check llmlab's own parallel layers
+# and the unsharded layer's forward passes refuse to run. Each rank here holds the whole layer
+# and reads only its slices; llmlab's loader reads only the slices from the file (section 3).
+# The check starts processes twice: expect about half a minute.
+
+# %%
+def tensor_parallel_block(layer, x, positions, rank, tp):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb07.tensor_parallel_block", tensor_parallel_block)
+
+# %% [markdown]
+# **Compare with llmlab's.** `llmlab.layers.linear` has the two forward passes of the warm-up,
 # `column_parallel_forward` and `row_parallel_forward`, used by `ColumnParallelLinear` and
-# `RowParallelLinear` (and `use_parallel_forwards(column=..., row=...)`, which is how the checker
-# swapped yours in). Its row forward applies g, `reduce_from_tensor_parallel_region`, to the
+# `RowParallelLinear`. Its row forward applies g, `reduce_from_tensor_parallel_region`, to the
 # product `F.linear(x, weight)` and adds the bias after the sum; its column forward applies f,
 # `copy_to_tensor_parallel_region`, to `x`, which matters only in training.
 #
-# The TP model is the ordinary `CausalLM`, built on the meta device, with its linear and
-# embedding modules swapped for the parallel ones (`llmlab.parallel.parallelize`). Its forward
-# code is unchanged; each rank only sets its attention module's head counts to the local ones.
-# A degree that does not split the heads evenly is refused:
+# llmlab's TP model is the ordinary `CausalLM`, built on the meta device, with its linear and
+# embedding modules swapped for the parallel ones (`llmlab.parallel.parallelize`); each rank
+# loads only its shard. Its forward code is unchanged: each rank only sets its attention
+# module's head counts to the local ones, so the attention module reshapes into the rank's
+# heads, which is what your block did by hand. A degree that does not split the heads evenly
+# is refused:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -174,8 +210,9 @@ print("heads on rank 1:", rank1.layers[0].self_attn.num_heads, "query,",
 # rank 0's result. Here `fn` is `llmlab.parallel.workers.parity_on_ranks`: each rank reads
 # **only its slices** of the safetensors file (`safe_open(...).get_slice`), computes logits for
 # the prompt, then generates greedily with a KV cache, in lockstep with the other ranks, and
-# counts the collectives of one token's forward pass. `run_sequence` runs two workers in the
-# same launch (starting ranks costs seconds; the second times all-reduces).
+# counts the collectives of one token's forward pass. `run_sequence` runs more workers in the
+# same launch (starting ranks costs seconds): the next two time all-reduces alone and take one
+# decode step apart, for section 4.
 # The command-line twin is `torchrun --nproc-per-node 3 -m llmlab.parallel.run --prompt "..."`.
 #
 # **Exercise (predict, then measure).** How many all-reduces does one token's forward pass make
@@ -188,7 +225,7 @@ my_allreduce_prediction = ...  # YOUR ANSWER: a number of all-reduces
 from llmlab.generate import encode_prompts
 from llmlab.parallel import launch
 from llmlab.parallel.comm import time_allreduce
-from llmlab.parallel.workers import parity_on_ranks, run_sequence
+from llmlab.parallel.workers import decode_account_on_ranks, parity_on_ranks, run_sequence
 
 model = llmlab.load_model("smollm2-135m")
 tok = llmlab.load_tokenizer("smollm2-135m")
@@ -201,8 +238,11 @@ sizes = [256, 2304, 65536, 1 << 20] if QUICK else [256, 2304, 16384, 262144, 1 <
 with torch.no_grad():
     ref_logits = model(ids)
 ref = llmlab.generate(model, tok, prompt, max_new_tokens=max_new)
-tp3, allreduce3 = launch(run_sequence, 3, [(parity_on_ranks, ("smollm2-135m", ids, max_new, eos)),
-                                           (time_allreduce, (sizes, 10))])
+tp3, allreduce3, account3 = launch(run_sequence, 3, [
+    (parity_on_ranks, ("smollm2-135m", ids, max_new, eos)),
+    (time_allreduce, (sizes, 10)),
+    (decode_account_on_ranks, ("smollm2-135m", ids.shape[1])),   # one thread per rank
+])
 err = (tp3.logits - ref_logits).abs().max().item()
 counted = [op for op, _ in tp3.collectives].count("all_reduce")
 exercises.check("nb07.predict_allreduces", my_allreduce_prediction, measured=counted)
@@ -252,66 +292,110 @@ print(f"accounting: {acct.allreduces_per_layer} per layer x {cfg.num_layers} lay
       f"{acct.ring_sent_bytes_per_rank / 1024:.1f} KiB")
 
 # %% [markdown]
-# ## 4 · Measure: time per token on two CPU cores
+# ## 4 · Measure: one decode step, taken apart
 #
-# The same tokens decoded by one process with one thread (launched the same way, so the code
-# path is identical) and by tp = 3 (three processes of one thread each, the run above). Each
-# bar is the median decode step, with a line from the fastest to the slowest step.
-# tp = 2 is not possible for SmolLM2 (9 heads). `python -m llmlab.bench tp` also times one
-# process with two threads.
+# The same model decoded by one process and by tp = 3, **one thread per process on both
+# sides** (tp = 1 is launched the same way, so the code path is identical; tp = 3's three
+# processes share the machine's two cores). tp = 2 is not possible for SmolLM2 (9 heads).
+# Besides the tokens, each launch ran `decode_account_on_ranks`: on every rank, the same decode
+# step (one token after the prompt's cached ones) timed 9 times after a warm-up, with the time
+# spent inside the collectives clocked in the same runs, and 3 profiled runs that give the time
+# inside the matrix multiplies and the number of operator calls
+# (`llmlab.profiling.overhead`, notebook 11 has the details). Each bar below is the median step,
+# with a line from the fastest to the slowest.
 
 # %%
 from llmlab.parallel.workers import generate_on_ranks
-from llmlab.viz.tp import plot_allreduce, plot_time_per_token
+from llmlab.viz.tp import plot_time_per_token
 
-tp1 = launch(generate_on_ranks, 1, "smollm2-135m", ids[0].tolist(), max_new, "naive", "float32",
-             None, eos)                                 # one process, one thread
-labels = ["tp=1, 1 thread", "tp=3, 1 thread each"]
-steps = [tp1.decode_s, tp3.decode_s]
-for lab, run in zip(labels, (tp1, tp3)):
-    print(f"{lab:22s} {run.s_per_token * 1e3:7.1f} ms/token (median of {len(run.decode_s)} steps, "
-          f"{min(run.decode_s) * 1e3:.1f} to {max(run.decode_s) * 1e3:.1f})")
-print(f"tp=3 / tp=1: {tp3.s_per_token / tp1.s_per_token:.2f}x the time per token")
+tp1, (account1,) = launch(run_sequence, 1, [
+    (generate_on_ranks, ("smollm2-135m", ids[0].tolist(), max_new, "naive", "float32", None, eos)),
+    (decode_account_on_ranks, ("smollm2-135m", ids.shape[1])),
+])                                                          # one process, one thread
+a1, a3 = account1, account3[0]                             # tp = 3: rank 0's clock
+labels = ["tp=1, 1 thread", "tp=3, 1 thread per rank"]
+for lab, a in zip(labels, (a1, a3)):
+    print(f"{lab:24s} {a.median_s * 1e3:7.1f} ms per decode step (median of {len(a.step_s)}, "
+          f"{min(a.step_s) * 1e3:.1f} to {max(a.step_s) * 1e3:.1f}), threads {a.threads}")
+slowdown = a3.median_s / a1.median_s
+print(f"tp=3 / tp=1: {slowdown:.2f}x the time per token")
 print(f"process peak RSS: tp=1 {tp1.memory[0].peak_bytes / 2**20:.0f} MiB; tp=3 "
       f"{', '.join(f'{m.peak_bytes / 2**20:.0f}' for m in tp3.memory)} MiB per rank")
 print("same tokens:", tp1.tokens == tp3.tokens)
-fig = plot_time_per_token(labels, steps, device_name())
+assert a1.threads == a3.threads == 1
+fig = plot_time_per_token(labels, [a1.step_s, a3.step_s], device_name())
 
 # %% [markdown]
-# Where does tp = 3's time go? The run above also timed all-reduces of several sizes over the
-# three ranks (each point the median of 10, with quartiles; the y axis starts at 0). A fit of
-# time = latency + bytes / bandwidth separates the fixed cost per all-reduce from the cost per
-# byte.
+# Where does tp = 3's time go? First, what one all-reduce costs alone: the tp = 3 launch also
+# timed all-reduces of several sizes over the three ranks, each after a barrier so that all
+# three start together (each point the median of 10, with quartiles; the y axis starts at 0).
 
 # %%
-import math
+from llmlab.viz.tp import plot_allreduce
 
-from llmlab.parallel.comm import fit_latency_bandwidth
-
-latency_us, gbps = fit_latency_bandwidth(allreduce3)
-hidden_us = [r["us"] for r in allreduce3 if r["bytes"] == acct.message_bytes][0]
-per_token_ms = acct.allreduces_per_token * hidden_us / 1e3
-if math.isinf(gbps):
-    print(f"fit over {len(allreduce3)} sizes: about {latency_us:.0f} µs per all-reduce; the time "
-          f"does not grow with the message up to {allreduce3[-1]['bytes'] // 1024} KiB")
-else:
-    print(f"fit over {len(allreduce3)} sizes: {latency_us:.0f} µs per all-reduce + bytes / {gbps:.2g} GB/s; "
-          f"for one hidden vector ({acct.message_bytes} B) the bytes term is "
-          f"{acct.message_bytes / (gbps * 1e3):.1f} µs")
-print(f"one hidden vector: measured median {hidden_us:.0f} µs; x {acct.allreduces_per_token} per "
-      f"token = {per_token_ms:.0f} ms, against {tp3.s_per_token * 1e3:.0f} ms per decode step at "
-      f"tp=3 (timed in a separate phase of the same run, so an estimate of the share)")
-fig = plot_allreduce({3: allreduce3}, acct.message_bytes, device_name(),
-                     fit={3: (latency_us, gbps)})
+by_size = {r["bytes"]: r for r in allreduce3}
+hidden = by_size[acct.message_bytes]
+big = allreduce3[-1]
+per_byte_us = max(big["us"] - hidden["us"], 0.0) / (big["bytes"] - hidden["bytes"])
+print(f"one hidden vector ({acct.message_bytes:,} B): median {hidden['us']:.0f} µs "
+      f"(quartiles {hidden['us_q1']:.0f} to {hidden['us_q3']:.0f})")
+print(f"{big['bytes'] // 1024:,} KiB: median {big['us']:.0f} µs, so a byte costs about "
+      f"{per_byte_us * 1e3:.2g} ns; the bytes of one hidden vector account for "
+      f"{per_byte_us * acct.message_bytes:.1f} µs of its {hidden['us']:.0f}")
+fig = plot_allreduce({3: allreduce3}, acct.message_bytes, device_name())
 
 # %% [markdown]
-# **Exercise (explain).** Why is tp = 3 slower than one process on this machine? Pick one:
-#
-# * (a) each rank does more arithmetic than the single process;
-# * (b) every all-reduce waits for all three ranks, which share two cores, and that latency is
-#   paid 61 times per token, while one process already uses both cores;
-# * (c) the all-reduces move too many bytes for the machine's memory bandwidth;
-# * (d) split weights no longer fit the CPU's caches.
+# Now the step itself. Each bar adds up to its median step: the time inside the matrix
+# multiplies, the other operators (norms, RoPE, attention, cache writes, elementwise, and the
+# Python and dispatcher cost of every call), and, for tp = 3, the time inside the collectives
+# (61 all-reduces and the logits all-gather), split into the calls at the isolated cost above
+# and the rest, which is waiting for the other ranks to arrive.
+
+# %%
+from IPython.display import Markdown
+
+from llmlab.viz.tp import plot_step_account
+
+for a in (a1, *account3):
+    print(f"tp={a.tp} rank {a.rank}: step {a.median_s * 1e3:6.1f} ms = matmuls {a.matmul_s * 1e3:5.1f} "
+          f"({a.matmul_ops} calls) + other operators {a.other_s * 1e3:5.1f} ({a.other_ops} calls) "
+          f"+ inside collectives {a.inside_collectives_s * 1e3:6.1f} ({a.collectives} calls)")
+at_cost = a3.collectives * hidden["us"] / 1e3
+waiting = a3.inside_collectives_s * 1e3 - at_cost
+print(f"tp=3 rank 0's collectives: {a3.collectives} calls x {hidden['us']:.0f} µs (isolated) = "
+      f"{at_cost:.1f} ms, plus {waiting:.1f} ms waiting for the other ranks")
+print(f"fixed cost of one tiny operator (t_op, measured on each rank): tp=1 {a1.op_overhead_s * 1e6:.1f} µs; "
+      f"tp=3 {', '.join(f'{a.op_overhead_s * 1e6:.1f}' for a in account3)} µs")
+fig = plot_step_account(["tp=1", *[f"tp=3, rank {a.rank}" for a in account3]], [a1, *account3],
+                        allreduce_us=hidden["us"], device=device_name())
+# what the question below relies on: tp=3 is slower, its matmuls shrink, its operator calls
+# do not multiply, and the collectives are most of the step, more than the matmuls saved
+assert a3.median_s > a1.median_s and a3.matmul_s < a1.matmul_s
+assert 0.9 * a1.other_ops < a3.other_ops < 1.5 * a1.other_ops
+assert a3.inside_collectives_s > max(a1.matmul_s - a3.matmul_s, 0.5 * a3.median_s)
+
+# %%
+wait_text = (f"and the other {waiting:.1f} ms is waiting for the last rank to arrive"
+             if waiting > 0 else "so this run's calls cost no more inside the step than alone")
+Markdown(
+    f"On rank 0, the matmuls took {a3.matmul_s * 1e3:.1f} ms against one process's "
+    f"{a1.matmul_s * 1e3:.1f} ms ({a1.matmul_s / a3.matmul_s:.1f}× less for a third of the "
+    f"weights); the {a3.other_ops:,} other operator calls took {a3.other_s * 1e3:.1f} ms against "
+    f"{a1.other_s * 1e3:.1f} ms for one process's {a1.other_ops:,}: splitting does not reduce "
+    f"the number of calls, and each pays a fixed cost (t_op, {a3.op_overhead_s * 1e6:.1f} µs on "
+    f"rank 0 for a tiny operator) whatever its size. The collectives took "
+    f"{a3.inside_collectives_s * 1e3:.1f} ms, {100 * a3.inside_collectives_s / a3.median_s:.0f}% "
+    f"of the {a3.median_s * 1e3:.1f} ms step: {a3.collectives} calls at the isolated "
+    f"{hidden['us']:.0f} µs would be {at_cost:.1f} ms, {wait_text}. The parts add up to the "
+    f"step; the matmuls saved {(a1.matmul_s - a3.matmul_s) * 1e3:.1f} ms, the collectives cost "
+    f"{a3.inside_collectives_s * 1e3:.1f} ms.")
+
+# %% [markdown]
+# **Exercise (explain).** Why is tp = 3 slower than one process on this machine, with one thread
+# per process on both sides?
+
+# %%
+exercises.ask("nb07.explain_cpu_slowdown")
 
 # %%
 my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
@@ -320,12 +404,11 @@ exercises.check("nb07.explain_cpu_slowdown", my_choice)
 # %% [markdown]
 # **What two cores can and cannot show.** They show the mechanism for real: three processes,
 # a real process group, each holding a third of the weights, the same logits and tokens, and
-# the exact number and size of the messages. They cannot show a speed-up: the printed ratio
-# above is tp = 3's time over one process's. Tensor parallelism pays off when each rank has
-# its *own* compute and memory bandwidth (a GPU each) and the all-reduce travels over a fast
-# link. The printed fit says what an all-reduce costs here: for a message of one hidden vector
-# almost all of it is the fixed cost per call (sockets, and waiting until all three ranks are
-# scheduled), not the bytes, and it is paid 61 times per token.
+# the exact number and size of the messages. They cannot show a speed-up: tensor parallelism
+# pays off when each rank has its *own* compute and memory bandwidth (a GPU each), when the
+# per-operator cost is small against each operator's work (large matrices, or a compiled step,
+# notebook 11), and when the all-reduce travels over a fast link. The account above says what
+# stands in the way here, on this run's numbers.
 
 # %% [markdown]
 # ## 5 · Play: a scaling model for a 70B model on 8 GPUs
@@ -402,7 +485,7 @@ exercises.check("nb07.sequence_parallel_norm", sequence_parallel_norm)
 #
 # * Split column-then-row and a decoder layer needs exactly two all-reduces of one hidden vector per token; the answer is unchanged up to summation order (here < 1e-4 in float32).
 # * Each rank holds and reads 1/tp of the weights, which is what makes a 70B model fit without quantization and, because decode is memory-bound, what makes it faster: on GPUs with a fast link.
-# * The all-reduces do not shrink with tp and are latency-bound at small batch: on two shared CPU cores they make tp slower; the interconnect decides how far tp scales.
+# * Neither the all-reduces nor the per-operator cost shrink with tp, and at small batch an all-reduce is all latency: on two shared CPU cores they make tp slower (section 4's account); on GPUs the interconnect decides how far tp scales.
 #
 # ## Further reading
 #
