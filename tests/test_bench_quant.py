@@ -28,10 +28,12 @@ def test_linears_skipped_zeroes_every_projection_and_restores_them(tiny):
 
 def test_step_breakdown_rows(tiny):
     models = {"fp32": tiny, "int4": llmlab.quantize(tiny, "int4")}
-    rows = bq.step_breakdown(models, [1, 5, 9, 2, 7], bandwidth=10e9, steps=4, repeats=1)
+    rows = bq.step_breakdown(models, [1, 5, 9, 2, 7], bandwidth=10e9, steps=4, repeats=2)
     assert [r["scheme"] for r in rows] == ["fp32", "int4"]
     for r in rows:
         assert r["step ms"] > 0 and r["outside matmuls ms"] > 0 and r["matmuls ms"] > 0
+        assert len(r["step ms runs"]) == 2                   # each run, for the spread
+        assert min(r["step ms runs"]) <= r["step ms"] <= max(r["step ms runs"])
         assert r["roof ms"] == pytest.approx(llmlab.quant.weight_nbytes(models[r["scheme"]])
                                              / 10e9 * 1e3)
     assert rows[1]["roof ms"] < rows[0]["roof ms"]      # int4 reads fewer bytes

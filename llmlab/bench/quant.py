@@ -97,7 +97,7 @@ def step_breakdown(models: dict, prompt: list[int], bandwidth: float, steps: int
     """Where a batch-1 decode step goes, per model: the whole step, the step with every
     linear layer skipped (:func:`_linears_skipped`), their difference (the matmuls), and
     the bandwidth the matmuls reach over the weight bytes they read. Medians of
-    ``repeats`` interleaved runs."""
+    ``repeats`` interleaved runs; "step ms runs" lists each run's whole step."""
     from llmlab.quant import weight_nbytes
 
     whole: dict[str, list[float]] = {}
@@ -113,6 +113,7 @@ def step_breakdown(models: dict, prompt: list[int], bandwidth: float, steps: int
         mm = max(w - r, 1e-6)
         nbytes = weight_nbytes(m)
         rows.append({"scheme": name, "step ms": w, "outside matmuls ms": r, "matmuls ms": mm,
+                     "step ms runs": list(whole[name]),
                      "matmul GB/s": nbytes / mm / 1e6, "of copy bw": nbytes / (mm / 1e3) / bandwidth,
                      "roof ms": nbytes / bandwidth * 1e3})
     return rows

