@@ -323,13 +323,14 @@ def _check_kv_cache(cls, **_) -> Verdict:
     if not isinstance(cls, type):
         return wrong(f"expected your cache class (e.g. MyKVCache), got {type(cls).__name__}.",
                      "pass the class itself, not an instance: exercises.check(..., MyKVCache).")
-    _, tok = smollm2()
-    prompt = tok(PROMPT)["input_ids"]
-    _reference_tokens((tuple(prompt),), NEW_TOKENS)       # before llmlab's caches are off
     with forbid(*_library_caches()):
         verdict = _check_small(cls)
-        if verdict is not None:
-            return verdict
+    if verdict is not None:
+        return verdict
+    _, tok = smollm2()
+    prompt = tok(PROMPT)["input_ids"]
+    _reference_tokens((tuple(prompt),), NEW_TOKENS)       # with llmlab's caches on
+    with forbid(*_library_caches()):
         verdict, gens, fed = _check_generation(cls, [prompt], NEW_TOKENS)
     if verdict is not None:
         return verdict
@@ -549,17 +550,16 @@ def _check_decode_loop(fn, cache_cls=None, **_) -> Verdict:
     model, tok = smollm2()
     prompt = tok(PROMPT)["input_ids"]
     p, n = len(prompt), DECODE_TOKENS
-    (want,), _ = _reference_tokens((tuple(prompt),), n)    # llmlab.generate, no cache
-    ref_logits = _reference_logits(tuple(prompt), tuple(want))
-    library = _library_decode_loops()
     model.set_attention("sdpa")
     fed = _Fed(model)
     try:
-        with torch.inference_mode(), forbid(*library):
+        with torch.inference_mode(), forbid(*_library_decode_loops()):
             got = fn(model, list(prompt), n, cache_cls)
     finally:
         fed.remove()
         model.set_attention("naive")
+    # the references, with llmlab's loops on again: llmlab.generate without a cache
+    (want,), _ = _reference_tokens((tuple(prompt),), n)
     if isinstance(got, torch.Tensor):
         got = got.flatten().tolist()
     if not isinstance(got, (list, tuple)) or not all(isinstance(t, int) for t in got):
@@ -616,6 +616,7 @@ def _check_decode_loop(fn, cache_cls=None, **_) -> Verdict:
     if diff:
         return wrong(f"your greedy tokens differ from llmlab.generate's: {diff}",
                      "take the argmax of the last position's logits each step.")
+    ref_logits = _reference_logits(tuple(prompt), tuple(want))
     err = float((torch.stack(fed.logits[:n]) - ref_logits).abs().max())
     if err > 1e-3:
         return wrong(f"the tokens match, but the logits differ from a no-cache forward by "

@@ -488,15 +488,16 @@ def _check_schedule(schedule):
     if not callable(schedule):
         return wrong(f"pass your function itself, got {type(schedule).__name__}.",
                      "exercises.check(\"nb05.schedule\", schedule)")
-    _static_trace_run(TIGHT_BLOCKS)            # the baseline, before llmlab's policies are off
-    _alone(*_engine_requests())
     with forbid(*_library_policies()):
         try:
             verdict = _unit_checks(schedule)
         except _Problem as exc:
             return wrong(exc.problem, exc.hint)
-        if verdict is not None:
-            return verdict
+    if verdict is not None:
+        return verdict
+    _static_trace_run(TIGHT_BLOCKS)            # the baselines, with llmlab's policies on
+    _alone(*_engine_requests())
+    with forbid(*_library_policies()):
         result = _trace_check(schedule)
         if not isinstance(result, tuple):
             return result

@@ -45,9 +45,10 @@ print(device_name())
 # ## Where a static batch loses
 #
 # `data/traces/cpu.jsonl` holds 80 requests (prompts of 16–256 tokens, answers of 8–128 tokens).
-# Serve them with 8 seats. First without the model: `dry_run` drives the engine's own scheduler
-# and block manager and lets every step "produce" a token, so it counts the iterations (forward
-# passes) and token positions each policy needs in milliseconds.
+# Serve them with 8 seats. First without the model: `llmlab.engine.simulate.dry_run` runs the
+# engine's own scheduler and block manager over a simulated runner that lets every step "produce"
+# a token, so it counts the iterations (forward passes) and token positions each policy needs in
+# milliseconds.
 #
 # ### Exercise 1 (predict, then measure)
 #
