@@ -34,6 +34,9 @@ Three backends have this form:
 ``paged_triton``
     a Triton kernel that reads the blocks in place (:mod:`llmlab.kernels.paged_attn`).
 
+:func:`paged_attention_blocks` is that kernel's loop in PyTorch (decode only, not a
+registered backend): one block per step with an online softmax.
+
 Their dense ``forward`` raises a ValueError: they only make sense with a paged cache
 (:class:`llmlab.cache.paged.PagedKVCache`, or the engine's packed
 :class:`llmlab.cache.packed.PackedPagedCache`), which writes the new K/V into the pool
@@ -289,6 +292,46 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale=softmax_scale, causal=causal)
 
 
+def paged_attention_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+                           softmax_scale: float | None = None, causal: bool = True,
+                           max_seqlen_k: int | None = None) -> torch.Tensor:
+    """Decode attention that walks each sequence's block table, one block per step, folding
+    each block into a running (online) softmax: the loop ``paged_triton`` runs per
+    sequence, written in PyTorch (notebook 04 times it per block size).
+
+    Shapes in the module docstring, with ``seq_q == 1``; nothing is gathered: each step
+    reads the filled slots of one block where it lies in the pool.
+    """
+    check_paged_args(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen_k)
+    batch, seq_q, heads, head_dim = q.shape
+    if seq_q != 1:
+        raise ValueError(f"paged_attention_blocks is decode attention: seq_q must be 1, got "
+                         f"{seq_q}")
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        qb = q[b, 0].float().view(kv_heads, heads // kv_heads, head_dim) * scale
+        m = torch.full(qb.shape[:2], float("-inf"), device=q.device)
+        l = torch.zeros(qb.shape[:2], device=q.device)
+        acc = torch.zeros_like(qb)
+        for i, block in enumerate(block_table[b, :-(-n // block_size)].tolist()):
+            filled = min(block_size, n - i * block_size)
+            k = k_cache[block, :filled].float().transpose(0, 1)        # [kv_heads, filled, d]
+            v = v_cache[block, :filled].float().transpose(0, 1)
+            s = torch.matmul(qb, k.transpose(1, 2))                      # [kv_heads, group, filled]
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None])
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, v)
+            m = m_new
+        if n:
+            out[b] = (acc / l[..., None]).reshape(heads, head_dim)
+    return out[:, None].to(q.dtype)
+
+
 def _needs_paged_cache(name: str):
     def forward(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None):
         raise ValueError(f"attention backend {name!r} reads K/V through a block table and needs "
@@ -307,5 +350,6 @@ register("paged_triton", _needs_paged_cache("paged_triton"), with_kvcache=paged_
          description="Triton kernel reading K/V blocks in place through the block table")
 
 __all__ = ["paged_attention_reference", "paged_attention_sdpa", "paged_attention_triton",
+           "paged_attention_blocks",
            "gather_kv", "paged_mask", "check_paged_args", "PagedBatch", "prepare_paged_batch",
            "attend_paged", "takes_max_seqlen", "read_lengths"]

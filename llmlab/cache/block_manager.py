@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -174,6 +174,29 @@ class BlockAllocator:
             assert self._block_key[b][0] == h, "hash index points at the wrong block"
 
 
+def append_to_table(block_table: list[int], num_tokens: int, allocator, block_size: int
+                    ) -> tuple[int, tuple[int, int] | None]:
+    """Give token ``num_tokens`` (the next one) of a sequence its slot; -> (slot, cow).
+
+    ``block_table`` (the sequence's physical blocks, updated in place) gets a new block
+    when the last one is full; a partly filled last block that another table shares
+    (``ref_counts > 1``) is replaced by a fresh copy, and ``cow = (src, dst)`` tells the
+    caller to copy the K/V already in ``src``. Raises NoFreeBlocksError, changing nothing,
+    when a block is needed and ``allocator`` has none.
+    """
+    cow = None
+    if num_tokens % block_size == 0:
+        block_table.append(allocator.allocate())
+    else:
+        last = block_table[-1]
+        if allocator.ref_counts[last] > 1:
+            new = allocator.allocate()              # before the decref: a refusal changes nothing
+            allocator.decref(last)
+            block_table[-1] = new
+            cow = (last, new)
+    return block_table[num_tokens // block_size] * block_size + num_tokens % block_size, cow
+
+
 _ALLOCATOR_METHODS = ("allocate", "incref", "decref", "num_free", "ref_counts")
 _PREFIX_CACHE_METHODS = ("lookup", "register", "is_evictable")
 
@@ -241,10 +264,20 @@ class BlockManager:
       ``register(block, hash, parent_hash, tokens)`` and ``is_evictable(block)``, as
       :class:`BlockAllocator` defines them. A ``check_invariants()`` method, if it has
       one, is called by :meth:`check_invariants`.
+
+    ``append_slot``: the function that gives a sequence's next token its slot, called as
+    ``append_slot(block_table, num_tokens, allocator, block_size) -> (slot, cow)`` with the
+    sequence's own table (see :func:`append_to_table`, the default); the manager checks
+    first that a block it may need is free, and keeps the token count.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 allocator=None):
+                 allocator=None, append_slot: Callable | None = None):
+        if append_slot is not None and not callable(append_slot):
+            raise ValueError(f"append_slot must be a function (block_table, num_tokens, "
+                             f"allocator, block_size) -> (slot, cow); got "
+                             f"{type(append_slot).__name__}")
+        self._append = append_to_table if append_slot is None else append_slot
         if allocator is None:
             allocator = BlockAllocator(num_blocks, block_size)
         else:
@@ -415,28 +448,17 @@ class BlockManager:
         the last block is shared with another sequence it is copied first: the return
         value then carries ``(src_block, dst_block)`` and the caller must copy the K/V of
         ``src`` to ``dst`` before writing. Raises NoFreeBlocksError (changing nothing)
-        when a block is needed and none is free.
+        when a block is needed and none is free. The table itself is updated by the
+        manager's ``append_slot`` function (:func:`append_to_table` by default).
         """
         st = self._state(seq_id)
-        bs = self.block_size
-        cow = None
-        if st.num_tokens % bs == 0:
-            if self.num_free_blocks < 1:
-                raise NoFreeBlocksError(1, 0, f"append to {seq_id!r}")
-            st.blocks.append(self.allocator.allocate())
-        else:
-            last = st.blocks[-1]
-            if self.allocator.ref_counts[last] > 1:
-                if self.num_free_blocks < 1:
-                    raise NoFreeBlocksError(1, 0, f"copy-on-write for {seq_id!r}")
-                new = self.allocator.allocate()
-                self.allocator.decref(last)
-                st.blocks[-1] = new
-                cow = (last, new)
-        pos = st.num_tokens
+        if self.num_blocks_to_append(seq_id) > self.num_free_blocks:
+            what = "append to" if st.num_tokens % self.block_size == 0 else "copy-on-write for"
+            raise NoFreeBlocksError(1, 0, f"{what} {seq_id!r}")
+        slot, cow = self._append(st.blocks, st.num_tokens, self.allocator, self.block_size)
         st.num_tokens += 1
         st.tokens.append(None if token_id is None else int(token_id))
-        return st.blocks[pos // bs] * bs + pos % bs, cow
+        return slot, cow
 
     # -- sharing and release -------------------------------------------------------
     def fork(self, parent: Hashable, child: Hashable) -> None:

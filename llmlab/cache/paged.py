@@ -55,6 +55,10 @@ class PagedKVCache:
     (:meth:`pools`), so every backend, ``paged_triton`` included, sees float K/V. In the
     engine's packed steps, prompts without a cached prefix attend to their own new K/V
     before quantization; everything read back from the pool went through int8.
+
+    ``allocator``: a class (or factory) called as ``allocator(num_blocks, block_size)``
+    whose object replaces the block manager's pool, and ``append_slot`` the function that
+    updates a block table for the next token (both as :class:`BlockManager` takes them).
     """
 
     name = "paged"
@@ -62,7 +66,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
-                 backend: str | None = None, kv_dtype: str = "auto"):
+                 backend: str | None = None, kv_dtype: str = "auto",
+                 allocator: Callable | None = None, append_slot: Callable | None = None):
         for label, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                              ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
@@ -70,7 +75,10 @@ class PagedKVCache:
         if backend is not None and backend not in attn_backends.paged_backends():
             raise ValueError(f"backend={backend!r}; allowed: {attn_backends.paged_backends()} "
                              "or None")
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching,
+            allocator=None if allocator is None else allocator(num_blocks, block_size),
+            append_slot=append_slot)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.backend = backend

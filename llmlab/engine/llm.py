@@ -115,7 +115,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = False,
                  paged_attention: str | None = None, seed: int = 0,
                  decode_attention: str | None = None, kv_cache_dtype: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, allocator: Callable | None = None,
+                 append_slot: Callable | None = None):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
@@ -135,7 +136,8 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size,
                                             enable_prefix_caching=enable_prefix_caching,
-                                            backend=paged_attention, kv_dtype=kv_cache_dtype)
+                                            backend=paged_attention, kv_dtype=kv_cache_dtype,
+                                            allocator=allocator, append_slot=append_slot)
         self.scheduler = Scheduler(self.config, self.cache.manager, schedule_fn)
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_token_id = eos
@@ -615,7 +617,12 @@ class LLM:
     every step that only decodes runs one compiled graph per capture size (the batch
     padded to 1, 2, 4, ... ``max_num_seqs``; CUDA graphs on a GPU) over the paged pool in
     fixed shapes (:mod:`llmlab.cache.graphed`); steps with prompt tokens run eagerly. The
-    first decode step of each capture size compiles (notebook 11).
+    first decode step of each capture size compiles (notebook 11). ``allocator`` and
+    ``append_slot`` replace the block manager's pool and its block-table update (a class
+    called as ``allocator(num_blocks, block_size)``, and a function as
+    :class:`~llmlab.cache.block_manager.BlockManager` takes it; notebook 04's builds);
+    a replacement allocator needs ``enable_prefix_caching=False`` unless it has the
+    prefix-cache methods.
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
@@ -626,7 +633,8 @@ class LLM:
                  attention: str = "sdpa", paged_attention: str | None = None, device=None,
                  dtype: str | torch.dtype | None = None, seed: int = 0,
                  decode_attention: str | None = None, kv_cache_dtype: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, allocator: Callable | None = None,
+                 append_slot: Callable | None = None):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -658,7 +666,7 @@ class LLM:
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 paged_attention=paged_attention, seed=seed,
                                 decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype,
-                                compile=compile)
+                                compile=compile, allocator=allocator, append_slot=append_slot)
 
     # -- inputs ------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:

@@ -1,17 +1,30 @@
-"""Exercises of notebook 04 (PagedAttention): slot mapping, internal fragmentation, a block
-allocator with reference counts, copy-on-write, and the paged kernel's block loop.
+"""Exercises of notebook 04 (PagedAttention): the slot of a token, a block allocator with
+reference counts, copy-on-write, and the paged attention read itself.
 
-The build exercise is ``nb04.block_allocator``: the student writes the pool of physical KV
-blocks (free list + reference counts) with the interface of
-:class:`llmlab.cache.block_manager.BlockAllocator`, and the library's block tables run on
-top of it (``BlockManager(..., allocator=...)``). It is judged in three stages, cheapest
-first: a few direct calls (precise messages), :func:`random_block_ops` (10,000 random
-allocate / append / fork / free operations checked against a model of what every sequence
-holds), and the serving engine on SmolLM2 with the student's allocator under its block
-tables, which must give the tokens of the library's allocator, forks and preemptions included.
+The main build is ``nb04.paged_attention``: decode attention that walks a sequence's block
+table one block at a time with an online softmax, with the with-KV-cache signature of the
+library's paged backends. The checker compares it with llmlab's paged reference on ragged
+lengths over shuffled pools, then registers it as an attention backend
+(``llmlab.attention.register``, removed again with ``attention.unregister``) and serves
+SmolLM2 with it through the engine (``LLM(..., paged_attention=...)``): every decode of
+every layer reads the pool through the student's function, and the greedy tokens must equal
+those of llmlab's ``paged`` backend (itself tested against HF transformers).
+
+``nb04.append_slot`` is the block-table side: give a sequence's next token its slot, with a
+new block at a block boundary and a copy-on-write when the last block is shared. It runs
+under llmlab's block manager (``LLM(..., append_slot=...)``), forks and beam search included.
+``nb04.block_allocator`` (the free list and reference counts under the tables) is the
+warm-up; both builds are judged in stages, cheapest first: direct calls with precise
+messages, :func:`random_block_ops` (random allocate / append / fork / free operations against
+a model of what every sequence wrote), then the engine on SmolLM2.
+
+Each build's checker calls the student's code inside :func:`~llmlab.exercises.forbid` (and,
+for attention, with torch's fused ``scaled_dot_product_attention`` replaced by a raiser), so
+a wrapper around llmlab's own implementation fails and is told so.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -19,90 +32,91 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..cache.block_manager import BlockManager, NoFreeBlocksError
-from . import choice_verdict, compare_tensors, exercise, first_token_difference, right, wrong
+from ..cache.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError
+from . import (choice_verdict, compare_tensors, exercise, first_token_difference, forbid,
+               number_verdict, right, wrong)
 
 NB = "04_paged_attention"
 
 
-def _returns_none(fn, cases) -> tuple[list, int | None]:
-    """``fn(*args)`` per case (its exceptions propagate: the verdict then names them);
-    -> (results, index of the first None or None)."""
-    got = [fn(*args) for args in cases]
-    return got, next((i for i, g in enumerate(got) if g is None), None)
+# ---- 1. the slot of a token (compute) ------------------------------------------------------
+
+SLOT_TABLE, SLOT_POSITION, SLOT_BLOCK_SIZE = [7, 2, 9], 6, 4
 
 
-# ---- 1. slot mapping ---------------------------------------------------------------------
-
-def _solution_slot_of(block_table, position, block_size):
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The flat slot of token ``position``: ``table[pos // bs] * bs + pos % bs``."""
     return block_table[position // block_size] * block_size + position % block_size
 
 
-_SLOT_CASES = [([7, 2, 9], 0, 4, 28), ([7, 2, 9], 5, 4, 9), ([7, 2, 9], 11, 4, 39),
-               ([3], 15, 16, 63), ([0, 5], 16, 16, 80), ([4, 1, 6, 2], 9, 4, 25)]
-
-
-@exercise("nb04.slot_of", notebook=NB, title="the flat slot of a token, through the block table",
-          kind="build", solution=_solution_slot_of,
+@exercise("nb04.slot_of", notebook=NB,
+          title=f"the flat slot of token {SLOT_POSITION} with block table {SLOT_TABLE} and "
+                f"blocks of {SLOT_BLOCK_SIZE}",
+          kind="compute", solution=slot_of(SLOT_TABLE, SLOT_POSITION, SLOT_BLOCK_SIZE),
           wrong_variants={
-              "ignores the table": (lambda t, p, b: p, ("block_table",)),
-              "block index and offset swapped": (lambda t, p, b: t[p % b % len(t)] * b + p // b,
-                                                 ("logical block",)),
-              "off by one block": (lambda t, p, b: t[min(p // b + 1, len(t) - 1)] * b + p % b,
-                                   ("logical block",)),
+              "ignores the table": (SLOT_POSITION, ("block table",)),
+              "block index and offset swapped": (37, ("logical block",)),
+              "off by one block": (38, ("logical block",)),
           })
-def _check_slot_of(fn):
-    """``fn(block_table, position, block_size)`` -> the flat slot of token ``position``."""
-    got, none_at = _returns_none(fn, [c[:3] for c in _SLOT_CASES])
-    if none_at is not None:
-        return wrong("your function returns None.",
-                     "return an int: the slot in the flattened pool.")
-    for (table, pos, bs, want), g in zip(_SLOT_CASES, got):
-        if g != want:
-            hint = ("the logical block is position // block_size and the offset inside it "
-                    "position % block_size; the block_table turns the logical block into a "
-                    "physical one.")
-            if g == pos:
-                return wrong(f"block_table={table}, position={pos}, block_size={bs}: you returned "
-                             f"the position itself ({g}); it ignores the block_table.", hint)
-            return wrong(f"block_table={table}, position={pos}, block_size={bs}: got {g}, "
-                         f"expected {want}: check which logical block you look up.", hint)
-    return right(f"all {len(_SLOT_CASES)} cases match what BlockManager.slot computes.")
+def _check_slot_of(answer):
+    t, pos, bs = SLOT_TABLE, SLOT_POSITION, SLOT_BLOCK_SIZE
+    want = slot_of(t, pos, bs)
+    logical, offset = pos // bs, pos % bs
+    hint = ("the logical block is position // block_size, the offset inside it "
+            "position % block_size; the table turns the logical block into a physical one.")
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        return wrong(f"the answer should be an integer slot, got {answer!r}.", hint)
+    if answer == want:
+        return right(f"slot {want}: position {pos} is offset {offset} of logical block "
+                     f"{logical}, which the table maps to physical block {t[logical]}; "
+                     f"{t[logical]} × {bs} + {offset} = {want}.")
+    if answer == pos:
+        return wrong(f"{answer} is the position itself: it ignores the block table, as if the "
+                     "sequence owned the pool from slot 0.", hint)
+    return wrong(f"{answer} is not it: check which logical block holds position {pos} and "
+                 "which physical block the table gives for it.", hint)
 
 
-# ---- 2. internal fragmentation -----------------------------------------------------------
+# ---- 2. the unfilled tail of the last blocks (compute) -------------------------------------
 
-def _solution_wasted_slots(lengths, block_size):
+WASTE_LENGTHS, WASTE_BLOCK_SIZE = [37, 70, 16, 5], 16
+
+
+def wasted_slots(lengths: list[int], block_size: int) -> int:
+    """Slots that sequences of these lengths hold in their blocks but do not fill."""
     return sum(-(-n // block_size) * block_size - n for n in lengths)
 
 
-_WASTE_CASES = [([1], 16, 15), ([16, 17], 16, 15), ([5, 9, 33], 8, 3 + 7 + 7), ([100], 1, 0),
-                ([], 4, 0), ([32, 64], 16, 0)]
-
-
-@exercise("nb04.wasted_slots", notebook=NB, title="slots held in blocks but not filled",
-          kind="build", solution=_solution_wasted_slots,
+@exercise("nb04.wasted_slots", notebook=NB,
+          title=f"slots held but not filled by sequences of {WASTE_LENGTHS} tokens in blocks "
+                f"of {WASTE_BLOCK_SIZE}",
+          kind="compute", solution=wasted_slots(WASTE_LENGTHS, WASTE_BLOCK_SIZE),
           wrong_variants={
-              "counts a full block as wasted": (lambda ls, b: sum(b - n % b for n in ls),
-                                                ("wastes nothing",)),
-              "counts the filled part": (lambda ls, b: sum(n % b for n in ls), ("ceil",)),
+              "counts a full block as wasted": (48, ("wastes nothing",)),
+              "counts the filled part": (16, ("filled",)),
           })
-def _check_wasted_slots(fn):
-    """``fn(lengths, block_size)`` -> slots allocated but not holding a token, summed."""
-    got, none_at = _returns_none(fn, [(list(ls), bs) for ls, bs, _ in _WASTE_CASES])
-    if none_at is not None:
-        return wrong("your function returns None.",
-                     "return an int: the unused slots of all sequences together.")
-    for (lengths, bs, want), g in zip(_WASTE_CASES, got):
-        if g != want:
-            full = any(n and n % bs == 0 for n in lengths)
-            what = (" A sequence that exactly fills its blocks wastes nothing." if full else "")
-            return wrong(f"lengths={lengths}, block_size={bs}: got {g}, expected {want}.{what}",
-                         "a sequence of n tokens holds ceil(n / block_size) blocks.")
-    return right("at most block_size - 1 slots per sequence: the only waste paging leaves.")
+def _check_wasted_slots(answer):
+    ls, bs = WASTE_LENGTHS, WASTE_BLOCK_SIZE
+    want = wasted_slots(ls, bs)
+    per = [-(-n // bs) * bs - n for n in ls]
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        return wrong(f"the answer should be an integer number of slots, got {answer!r}.",
+                     "a sequence of n tokens holds ceil(n / block_size) blocks.")
+    if answer == want:
+        return right(f"{want} slots ({' + '.join(map(str, per))}): at most block_size − 1 per "
+                     "sequence, in its last block only.")
+    if answer == sum(bs - n % bs for n in ls):
+        return wrong(f"{answer} counts {bs} unfilled slots for the sequence of {ls[2]} tokens; "
+                     "a sequence that exactly fills its blocks wastes nothing.",
+                     "the tail of n tokens is ceil(n / bs) · bs − n.")
+    if answer == sum(n % bs for n in ls):
+        return wrong(f"{answer} counts the filled part of each last block, not the unfilled "
+                     "rest.", "the tail of n tokens is ceil(n / bs) · bs − n.")
+    return wrong(f"{answer} is not it.", "a sequence of n tokens holds ceil(n / block_size) "
+                 "blocks; count the slots of its last block that it does not fill.")
 
 
-# ---- 3. the block allocator (the build exercise) -----------------------------------------
+# ---- 3. the block allocator (the warm-up build) -------------------------------------------
 
 class _SolutionBlockAllocator:
     """A pool of ``num_blocks`` KV blocks: a free list and a reference count per block."""
@@ -198,13 +212,15 @@ class BlockOpsReport:
 
 def random_block_ops(allocator: Callable | None = None, ops: int = 10_000, seed: int = 1234,
                      num_blocks: int = 48, block_size: int = 4,
-                     enable_prefix_caching: bool | None = None) -> BlockOpsReport:
+                     enable_prefix_caching: bool | None = None,
+                     append_slot: Callable | None = None) -> BlockOpsReport:
     """Drive a :class:`BlockManager` through ``ops`` random operations and check it.
 
     ``allocator``: a class (or factory) called as ``allocator(num_blocks, block_size)`` whose
     object replaces the library's :class:`BlockAllocator`; None keeps the library's.
     ``enable_prefix_caching`` defaults to True for the library's allocator and False for a
-    replacement (which then needs no prefix-cache methods).
+    replacement (which then needs no prefix-cache methods). ``append_slot``: a function
+    that replaces the manager's block-table update (``BlockManager(..., append_slot=...)``).
 
     The operations are allocate (prompts built from a few shared prefixes), append a slot,
     fork and free, the way a serving engine issues them: the K/V "written" into each slot
@@ -229,7 +245,7 @@ def random_block_ops(allocator: Callable | None = None, ops: int = 10_000, seed:
         enable_prefix_caching = allocator is None
     pool_obj = None if allocator is None else allocator(num_blocks, block_size)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                      allocator=pool_obj)
+                      allocator=pool_obj, append_slot=append_slot)
     a = bm.allocator
     bs = block_size
     report = BlockOpsReport()
@@ -345,6 +361,11 @@ def random_block_ops(allocator: Callable | None = None, ops: int = 10_000, seed:
                             content[dst * bs + off] = content[src * bs + off]
                 expect[sid].append(tok)
                 touched.append(sid)
+                held = len(bm.block_table(sid))
+                if held != -(-(before + 1) // bs):
+                    fail(f"after the append sequence {sid} holds {held} blocks for {before + 1} "
+                         f"tokens; blocks of {bs} need {-(-(before + 1) // bs)}: a new block is "
+                         "taken only when the last one is full.")
                 check_counts()
                 if slot != bm.slot(sid, before):
                     fail(f"append_slot returned slot {slot}, the table maps position {before} "
@@ -380,7 +401,7 @@ def random_block_ops(allocator: Callable | None = None, ops: int = 10_000, seed:
             del expect[sid]
         check_counts()
         check_tokens(expect if step % 25 == 0 else [s for s in touched if s in expect])
-        if allocator is None and step % 50 == 0:
+        if allocator is None and append_slot is None and step % 50 == 0:
             bm.check_invariants()
     check_tokens(expect)
     op_name = "free every sequence"
@@ -467,31 +488,30 @@ def _unit_checks(cls):
     return None
 
 
+
+
+_PROMPTS = ["The capital of France is", "Name three colours of the rainbow:",
+            "One, two, three, four,"]
+
+
 def _engine_allocator_run(allocator_cls, model=None, tokenizer=None):
     """Serve three prompts (one with n=2 sampled completions: a fork and copy-on-write) on a
-    pool small enough to preempt; -> (token lists per completion, preemptions)."""
+    pool small enough to preempt, with ``allocator_cls`` under the block tables (None:
+    llmlab's); -> (token lists per completion, preemptions)."""
     from ..engine import LLM, SamplingParams
 
     model, tokenizer = _smollm2(model, tokenizer)
     llm = LLM(model, tokenizer, block_size=4, num_blocks=12, max_num_seqs=4,
-              enable_prefix_caching=False)
-    eng = llm.engine
-    if allocator_cls is not None:
-        bm = BlockManager(eng.cache.num_blocks, eng.cache.block_size,
-                          enable_prefix_caching=False,
-                          allocator=allocator_cls(eng.cache.num_blocks, eng.cache.block_size))
-        eng.cache.manager = bm
-        eng.scheduler.bm = bm
-    prompts = ["The capital of France is", "Name three colours of the rainbow:",
-               "One, two, three, four,"]
+              enable_prefix_caching=False, allocator=allocator_cls)
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
               SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(_PROMPTS, params, use_tqdm=False)
     tokens = [c.token_ids for o in outs for c in o.outputs]
-    if eng.cache.manager.num_used_blocks:
-        raise AssertionError(f"{eng.cache.manager.num_used_blocks} blocks are still in use "
-                             "after every request finished")
+    manager = llm.engine.cache.manager
+    if manager.num_used_blocks:
+        raise AssertionError(f"{manager.num_used_blocks} blocks are still in use after every "
+                             "request finished")
     return tokens, llm.stats.num_preemptions
 
 
@@ -508,15 +528,25 @@ def _load_smollm2():
     return llmlab.load_model("smollm2-135m"), llmlab.load_tokenizer("smollm2-135m")
 
 
-_REFERENCE_RUNS: dict[int, tuple] = {}
+_REFERENCE_RUNS: dict[tuple, tuple] = {}
+
+
+def _reference(kind: str, model, tokenizer, run: Callable):
+    """``run(model, tokenizer)`` with llmlab's own piece, once per model and kind."""
+    key = (kind, id(model))
+    if key not in _REFERENCE_RUNS:          # the model is kept in the value: its id stays unique
+        _REFERENCE_RUNS[key] = (model, run(model, tokenizer))
+    return _REFERENCE_RUNS[key][1]
 
 
 def _reference_tokens(model, tokenizer):
     """The engine run with llmlab's own allocator, once per model."""
-    key = id(model)
-    if key not in _REFERENCE_RUNS:          # the model is kept in the value: its id stays unique
-        _REFERENCE_RUNS[key] = (model, _engine_allocator_run(None, model, tokenizer))
-    return _REFERENCE_RUNS[key][1]
+    return _reference("allocator", model, tokenizer,
+                      lambda m, t: _engine_allocator_run(None, m, t))
+
+
+class _WrapsLibrary(BlockAllocator):
+    """Wrong: llmlab's own allocator under another name."""
 
 
 @exercise("nb04.block_allocator", notebook=NB,
@@ -528,6 +558,7 @@ def _reference_tokens(model, tokenizer):
                                                             ("still", "free list")),
               "allocate does not raise when empty": (_NoRaiseWhenEmpty, ("NoFreeBlocksError",)),
               "off-by-one block id": (_OffByOne, ("off-by-one",)),
+              "llmlab's own allocator": (_WrapsLibrary, ("llmlab's own",)),
           })
 def _check_block_allocator(cls, model=None, tokenizer=None):
     """``cls(num_blocks, block_size)``: allocate / incref / decref / num_free / ref_counts.
@@ -537,18 +568,20 @@ def _check_block_allocator(cls, model=None, tokenizer=None):
     if not callable(cls):
         return wrong(f"pass your allocator class itself, got {type(cls).__name__}.",
                      "exercises.check(\"nb04.block_allocator\", MyBlockAllocator)")
-    verdict = _unit_checks(cls)
-    if verdict is not None:
-        return verdict
-    try:
-        report = random_block_ops(cls, ops=10_000)
-    except BlockInvariantError as exc:
-        return wrong(f"the random-operation test broke an invariant {exc}",
-                     "the block tables are the library's; the counts and the free list are "
-                     "yours. Replay the operation on a small pool by hand.")
     model, tokenizer = _smollm2(model, tokenizer)
-    want, _ = _reference_tokens(model, tokenizer)
-    got, pre = _engine_allocator_run(cls, model, tokenizer)
+    want, _ = _reference_tokens(model, tokenizer)      # llmlab's allocator, outside the guard
+    with forbid(BlockAllocator.allocate, BlockAllocator.incref, BlockAllocator.decref,
+                BlockAllocator.num_free.fget):
+        verdict = _unit_checks(cls)
+        if verdict is not None:
+            return verdict
+        try:
+            report = random_block_ops(cls, ops=10_000)
+        except BlockInvariantError as exc:
+            return wrong(f"the random-operation test broke an invariant {exc}",
+                         "the block tables are the library's; the counts and the free list "
+                         "are yours. Replay the operation on a small pool by hand.")
+        got, pre = _engine_allocator_run(cls, model, tokenizer)
     for i, (g, w) in enumerate(zip(got, want)):
         diff = first_token_difference(g, w)
         if diff:
@@ -557,8 +590,8 @@ def _check_block_allocator(cls, model=None, tokenizer=None):
                          "overwrote; check when a block may return to the free list.")
     return right(f"{report.ops:,} random operations kept every invariant ({report.allocations:,} "
                  f"allocations, {report.forks:,} forks, {report.copies:,} copy-on-write copies, "
-                 f"{report.refusals:,} refusals), and SmolLM2 served 4 completions with your "
-                 f"allocator under the block tables ({pre} preemption{'s' if pre != 1 else ''}, "
+                 f"{report.refusals:,} refusals), and SmolLM2 served 4 completions with "
+                 f"LLM(allocator=your class) ({pre} preemption{'s' if pre != 1 else ''}, "
                  "one fork): the same tokens as with llmlab's.")
 
 
@@ -598,7 +631,629 @@ def _check_cow_blocks(answer):
                  "count the prompt's blocks first (10 tokens in blocks of 4), then the copies.")
 
 
-# ---- 5. predict, then measure: the waste of reserving the maximum length -------------------
+
+
+# ---- 5. append a slot, with copy-on-write (build) -------------------------------------------
+
+def _solution_append_slot(block_table, num_tokens, allocator, block_size):
+    """Reserve the slot of token ``num_tokens`` (the next one); -> (slot, cow or None).
+
+    block_table: the sequence's physical blocks, updated in place; allocator: the pool
+    (allocate, incref, decref, ref_counts, num_free).
+    """
+    position = num_tokens
+    offset = position % block_size
+    cow = None
+    if offset == 0:                                   # the last block is full (or none yet)
+        if allocator.num_free < 1:
+            raise NoFreeBlocksError(1, 0, "append")
+        block_table.append(allocator.allocate())
+    else:
+        last = block_table[-1]
+        if allocator.ref_counts[last] > 1:            # shared with another table: copy first
+            if allocator.num_free < 1:
+                raise NoFreeBlocksError(1, 0, "copy-on-write")
+            new = allocator.allocate()
+            allocator.decref(last)                    # one table fewer points at the old block
+            block_table[-1] = new
+            cow = (last, new)
+    block = block_table[position // block_size]
+    return block * block_size + offset, cow
+
+
+def _append_no_cow(block_table, num_tokens, allocator, block_size):
+    """Wrong: writes into the last block whether or not another table shares it."""
+    if num_tokens % block_size == 0:
+        block_table.append(allocator.allocate())
+    return block_table[num_tokens // block_size] * block_size + num_tokens % block_size, None
+
+
+def _append_copies_always(block_table, num_tokens, allocator, block_size):
+    """Wrong: copies a partly filled last block even when this table is its only owner."""
+    cow = None
+    if num_tokens % block_size == 0:
+        block_table.append(allocator.allocate())
+    else:
+        last = block_table[-1]
+        new = allocator.allocate()
+        allocator.decref(last)
+        block_table[-1] = new
+        cow = (last, new)
+    return block_table[num_tokens // block_size] * block_size + num_tokens % block_size, cow
+
+
+def _append_decref_first(block_table, num_tokens, allocator, block_size):
+    """Wrong: lets go of the shared block before it knows a new one is available."""
+    cow = None
+    if num_tokens % block_size == 0:
+        block_table.append(allocator.allocate())
+    else:
+        last = block_table[-1]
+        if allocator.ref_counts[last] > 1:
+            allocator.decref(last)
+            new = allocator.allocate()
+            block_table[-1] = new
+            cow = (last, new)
+    return block_table[num_tokens // block_size] * block_size + num_tokens % block_size, cow
+
+
+def _append_slot_before_copy(block_table, num_tokens, allocator, block_size):
+    """Wrong: computes the slot from the table as it was before the copy."""
+    slot = None
+    if num_tokens % block_size:
+        slot = block_table[-1] * block_size + num_tokens % block_size
+    got, cow = _solution_append_slot(block_table, num_tokens, allocator, block_size)
+    return (got if slot is None else slot), cow
+
+
+def _append_wraps_library(block_table, num_tokens, allocator, block_size):
+    """Wrong: llmlab's own table update."""
+    from ..cache.block_manager import append_to_table
+
+    return append_to_table(block_table, num_tokens, allocator, block_size)
+
+
+def _append_unit_checks(fn) -> "Verdict | None":
+    """Direct calls on a small library pool; None when they pass, else a Verdict."""
+    bs = 4
+    hint_cow = ("a partly filled last block whose ref_count is above 1 is shared: take a new "
+                "block, drop one reference to the old one, put the new one in the table and "
+                "return (old, new) so the caller copies the K/V already there.")
+
+    def fresh(n_blocks=8):
+        pool = BlockAllocator(n_blocks, bs)
+        return pool, [pool.allocate(), pool.allocate()]      # a sequence of 2 blocks
+
+    def call(table, n, pool):
+        got = fn(table, n, pool, bs)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise _Bad(wrong(f"your function returned {got!r}; it should return a pair "
+                             "(slot, cow), cow being None or (src_block, dst_block).",
+                             "return slot, cow"))
+        return got
+
+    try:
+        # 1. room left in an unshared last block: write in place, nothing allocated
+        pool, table = fresh()
+        free = pool.num_free
+        slot, cow = call(table, 6, pool)
+        if cow is not None or table != [0, 1] or pool.num_free != free:
+            return wrong(f"a sequence of 6 tokens in blocks [0, 1] appends token 6; block 1 "
+                         f"has room and no other table shares it (ref_count 1), yet you "
+                         f"returned cow={cow}, the table became {table} and {free - pool.num_free}"
+                         " block(s) were taken: copy only a shared block.",
+                         "copy-on-write happens only when ref_counts[last] > 1.")
+        if slot != 1 * bs + 2:
+            return wrong(f"token 6 of table [0, 1] with blocks of {bs}: you returned slot "
+                         f"{slot}, expected {1 * bs + 2}.", "block_table[6 // 4] * 4 + 6 % 4")
+        # 2. a full last block: a new block, the token at its first slot
+        pool, table = fresh()
+        slot, cow = call(table, 8, pool)
+        if len(table) != 3 or cow is not None:
+            return wrong(f"a sequence of 8 tokens fills blocks [0, 1]; appending token 8 "
+                         f"should add one block and copy nothing, but the table is {table} "
+                         f"and cow={cow}.", "at position % block_size == 0 take a new block.")
+        if slot != table[2] * bs:
+            return wrong(f"token 8 goes to the first slot of the new block {table[2]} "
+                         f"(slot {table[2] * bs}); you returned {slot}.",
+                         "block_table[8 // 4] * 4 + 0")
+        # 3. a shared, partly filled last block: copy-on-write
+        pool, table = fresh()
+        pool.incref(0), pool.incref(1)                        # a fork shares both blocks
+        other = list(table)
+        slot, cow = call(table, 6, pool)
+        if cow is None or table[1] == 1:
+            return wrong(f"blocks [0, 1] are shared with a forked sibling (ref_counts 2) and "
+                         f"block 1 is partly filled; appending token 6 wrote into it in place "
+                         f"(table {table}, cow={cow}): the sibling would read this sequence's "
+                         "token. Without a copy-on-write the two sequences corrupt each other.",
+                         hint_cow)
+        if cow != (1, table[1]) or table[0] != 0:
+            return wrong(f"after the copy the table is {table} and cow={cow}; expected the "
+                         f"table [0, new] and cow=(1, new): block 0 is full and stays shared.",
+                         hint_cow)
+        if pool.ref_counts[1] != 1 or pool.ref_counts[table[1]] != 1 or pool.ref_counts[0] != 2:
+            return wrong(f"after the copy ref_counts of blocks 0, 1 and the copy "
+                         f"{table[1]} are {pool.ref_counts[0]}, {pool.ref_counts[1]}, "
+                         f"{pool.ref_counts[table[1]]}; expected 2, 1, 1: the old block "
+                         "keeps only the sibling's reference.", hint_cow)
+        if slot != table[1] * bs + 2:
+            return wrong(f"token 6 must go to the copy, slot {table[1] * bs + 2}; you returned "
+                         f"slot {slot}, in the shared block {slot // bs}: compute the slot from "
+                         "the table after the copy.", hint_cow)
+        if other != [0, 1]:
+            return wrong("the sibling's table changed.", "update only block_table.")
+        # 4. no free block: refuse, changing nothing
+        for n, shared, what in ((8, False, "a new block"), (6, True, "a copy")):
+            pool = BlockAllocator(2, bs)
+            table = [pool.allocate(), pool.allocate()]
+            if shared:
+                pool.incref(1)
+            counts = list(pool.ref_counts)
+            try:
+                call(table, n, pool)
+            except NoFreeBlocksError:
+                pass
+            else:
+                return wrong(f"with no free block, appending token {n} needs {what} but your "
+                             "function did not raise NoFreeBlocksError.",
+                             "check allocator.num_free before changing anything.")
+            if table != [0, 1] or list(pool.ref_counts) != counts:
+                return wrong(f"with no free block, appending token {n} ({what}) raised, but "
+                             f"first changed the state: table {table}, ref_counts "
+                             f"{list(pool.ref_counts)} (were [0, 1] and {counts}). A refused "
+                             "append must change nothing: the scheduler preempts another "
+                             "sequence and retries this one.",
+                             "allocate the new block before you let go of the old one.")
+    except _Bad as bad:
+        return bad.verdict
+    return None
+
+
+class _Bad(Exception):
+    def __init__(self, verdict):
+        super().__init__(verdict.message)
+        self.verdict = verdict
+
+
+def _engine_append_run(append_fn, model=None, tokenizer=None):
+    """Parallel sampling (n=2: a fork) and beam search (width 3: forks every step) on
+    SmolLM2 with ``append_fn`` as the block manager's table update (None: llmlab's);
+    -> (token lists, copy-on-write copies made)."""
+    from ..engine import LLM, SamplingParams
+
+    model, tokenizer = _smollm2(model, tokenizer)
+    copies = [0]
+
+    def counted(table, n, pool, bs):
+        slot, cow = (append_fn or _library_append())(table, n, pool, bs)
+        copies[0] += cow is not None
+        return slot, cow
+
+    llm = LLM(model, tokenizer, block_size=4, num_blocks=40, max_num_seqs=4,
+              enable_prefix_caching=False, append_slot=counted)
+    outs = llm.generate(_PROMPTS[:2], [SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6,
+                                                      ignore_eos=True),
+                                       SamplingParams(temperature=0, max_tokens=6,
+                                                      ignore_eos=True)], use_tqdm=False)
+    tokens = [c.token_ids for o in outs for c in o.outputs]
+    beams = llm.beam_search([_PROMPTS[2]], 3, 5, ignore_eos=True)
+    tokens += [list(s.token_ids) for b in beams for s in b.sequences]
+    if llm.engine.cache.manager.num_used_blocks:
+        raise AssertionError(f"{llm.engine.cache.manager.num_used_blocks} blocks are still in "
+                             "use after every request finished")
+    return tokens, copies[0]
+
+
+def _library_append():
+    from ..cache.block_manager import append_to_table
+
+    return append_to_table
+
+
+@exercise("nb04.append_slot", notebook=NB,
+          title="the slot of a sequence's next token, with copy-on-write",
+          kind="build", solution=_solution_append_slot,
+          wrong_variants={
+              "no copy-on-write": (_append_no_cow, ("copy-on-write",)),
+              "copies an unshared block": (_append_copies_always, ("only a shared block",)),
+              "lets go of the old block first": (_append_decref_first, ("change nothing",)),
+              "slot from the table before the copy": (_append_slot_before_copy,
+                                                      ("after the copy",)),
+              "llmlab's own": (_append_wraps_library, ("llmlab's own",)),
+          })
+def _check_append_slot(fn, model=None, tokenizer=None):
+    """``fn(block_table, num_tokens, allocator, block_size) -> (slot, cow)``.
+
+    Pass ``model=`` and ``tokenizer=`` (SmolLM2) to reuse the notebook's loaded model.
+    """
+    from ..cache import block_manager as bm_module
+
+    if not callable(fn):
+        return wrong(f"pass your function itself, got {type(fn).__name__}.",
+                     "exercises.check(\"nb04.append_slot\", append_slot)")
+    model, tokenizer = _smollm2(model, tokenizer)
+    want, want_copies = _reference("append", model, tokenizer,
+                                   lambda m, t: _engine_append_run(None, m, t))
+    library = (bm_module.append_to_table, BlockManager.append_slot)
+
+    def guarded(table, n, pool, bs):
+        with forbid(*library):
+            return fn(table, n, pool, bs)
+
+    verdict = _append_unit_checks(guarded)
+    if verdict is not None:
+        return verdict
+    try:
+        report = random_block_ops(ops=4_000, append_slot=guarded)
+    except BlockInvariantError as exc:
+        return wrong(f"the random-operation test broke an invariant {exc}",
+                     "the allocator and the block manager are llmlab's; the table update is "
+                     "yours. Replay the operation on a small pool by hand.")
+    got, copies = _engine_append_run(guarded, model, tokenizer)
+    for i, (g, w) in enumerate(zip(got, want)):
+        diff = first_token_difference(g, w)
+        if diff:
+            return wrong(f"the engine with your append_slot generates different tokens in "
+                         f"{'beam' if i >= 3 else 'completion'} {i if i < 3 else i - 3}: {diff}",
+                         "a sequence read K/V that a sibling wrote into a shared block.")
+    return right(f"{report.ops:,} random operations ({report.appends:,} appends, "
+                 f"{report.copies:,} copy-on-write copies, {report.forks:,} forks, "
+                 f"{report.refusals:,} refusals) kept every invariant, and SmolLM2 ran parallel "
+                 f"sampling (n=2) and a width-3 beam search with LLM(append_slot=your function): "
+                 f"{copies} copy-on-write copies (llmlab's: {want_copies}), the same tokens.")
+
+
+# ---- 6. the paged attention read (the main build) ------------------------------------------
+
+def _solution_paged_attention(q, k_cache, v_cache, cache_seqlens, block_table, *,
+                              softmax_scale=None, causal=True):
+    """Decode attention read through the block table, one block at a time (online softmax).
+
+    q [batch, 1, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads,
+    head_dim]; cache_seqlens [batch]; block_table [batch, max_blocks] -> [batch, 1, heads,
+    head_dim].
+    """
+    import torch
+
+    batch, _, heads, d = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads                         # query heads per KV head
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros(batch, heads, d, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        qb = q[b, 0].float().view(kv_heads, group, d) * scale
+        m = torch.full((kv_heads, group), float("-inf"), device=q.device)   # running max
+        l = torch.zeros(kv_heads, group, device=q.device)                   # running sum
+        acc = torch.zeros(kv_heads, group, d, device=q.device)              # running Σ p·v
+        for i in range(-(-n // block_size)):
+            block = int(block_table[b, i])
+            filled = min(block_size, n - i * block_size)   # the last block may be partial
+            k = k_cache[block, :filled].float().transpose(0, 1)     # [kv_heads, filled, d]
+            v = v_cache[block, :filled].float().transpose(0, 1)
+            s = qb @ k.transpose(1, 2)                               # [kv_heads, group, filled]
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)              # rescales what was summed before
+            p = torch.exp(s - m_new[..., None])
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ v
+            m = m_new
+        if n:
+            out[b] = (acc / l[..., None]).reshape(heads, d)
+    return out[:, None].to(q.dtype)
+
+
+def _paged_variant(q, k_cache, v_cache, cache_seqlens, block_table, *, rescale=True,
+                   whole_last=False, logical=False, heads_interleaved=False):
+    """The solution with one realistic mistake switched on (the wrong variants)."""
+    import torch
+
+    batch, _, heads, d = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(batch, heads, d)
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        qh = q[b, 0].float()
+        qb = (qh.view(group, kv_heads, d).transpose(0, 1) if heads_interleaved
+              else qh.view(kv_heads, group, d)) / math.sqrt(d)
+        m = torch.full((kv_heads, group), float("-inf"))
+        l = torch.zeros(kv_heads, group)
+        acc = torch.zeros(kv_heads, group, d)
+        for i in range(-(-n // bs)):
+            block = i if logical else int(block_table[b, i])
+            filled = bs if whole_last else min(bs, n - i * bs)
+            k = k_cache[block, :filled].float().transpose(0, 1)
+            v = v_cache[block, :filled].float().transpose(0, 1)
+            s = qb @ k.transpose(1, 2)
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+            p = torch.exp(s - m_new[..., None])
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ v
+            m = m_new
+        o = acc / l[..., None]
+        out[b] = (o.transpose(0, 1) if heads_interleaved else o).reshape(heads, d)
+    return out[:, None].to(q.dtype)
+
+
+def _paged_no_rescale(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    return _paged_variant(q, k_cache, v_cache, cache_seqlens, block_table, rescale=False)
+
+
+def _paged_whole_last_block(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    return _paged_variant(q, k_cache, v_cache, cache_seqlens, block_table, whole_last=True)
+
+
+def _paged_logical_blocks(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    return _paged_variant(q, k_cache, v_cache, cache_seqlens, block_table, logical=True)
+
+
+def _paged_heads_interleaved(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    return _paged_variant(q, k_cache, v_cache, cache_seqlens, block_table,
+                          heads_interleaved=True)
+
+
+def _paged_wraps_library(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    from ..attention.paged import paged_attention_sdpa
+
+    return paged_attention_sdpa(q, k_cache, v_cache, cache_seqlens, block_table)
+
+
+def _paged_wraps_fused(q, k_cache, v_cache, cache_seqlens, block_table, **kw):
+    """Wrong: copies every block of each sequence out, then torch's fused attention."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    kv_heads = k_cache.shape[2]
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        blocks = block_table[b, :-(-n // k_cache.shape[1])].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)          # [kv, n, d]
+        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        qb = q[b, 0].view(kv_heads, -1, q.shape[-1])
+        out.append(F.scaled_dot_product_attention(qb, k, v).reshape(1, -1, q.shape[-1]))
+    return torch.stack(out)
+
+
+class _FusedAnswer(Exception):
+    """Raised when the student's attention calls torch's fused attention."""
+
+
+@contextlib.contextmanager
+def _no_fused_attention():
+    """Inside the block, torch.nn.functional.scaled_dot_product_attention raises."""
+    import torch.nn.functional as F
+
+    saved = F.scaled_dot_product_attention
+
+    def raiser(*args, **kwargs):
+        raise _FusedAnswer("torch.nn.functional.scaled_dot_product_attention")
+
+    F.scaled_dot_product_attention = raiser
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved
+
+
+def _library_attention() -> tuple:
+    """llmlab's own attention functions a paged-attention answer may not call."""
+    import sys
+
+    from ..attention import flash, paged, reference
+
+    fns = [paged.paged_attention_reference, paged.paged_attention_sdpa,
+           paged.paged_attention_triton, paged.paged_attention_blocks, paged.gather_kv,
+           reference.naive_attention,
+           reference.sdpa_attention, flash.flash_attention, flash.flash_attention_varlen,
+           flash.online_softmax_update]
+    kernel = sys.modules.get("llmlab.kernels.paged_attn")    # only if already imported
+    if kernel is not None:
+        fns.append(kernel.paged_attention)
+    return tuple(fns)
+
+
+def _guard(fn) -> Callable:
+    """``fn`` called with llmlab's attention and torch's fused attention made to raise."""
+    library = _library_attention()
+
+    def guarded(*args, **kwargs):
+        with forbid(*library), _no_fused_attention():
+            return fn(*args, **kwargs)
+
+    return guarded
+
+
+def _attention_case(block_size, lens, *, seed, shuffle=True, heads=9, kv_heads=3, d=16):
+    """(q, k_cache, v_cache, cache_seqlens, block_table) for decode: ragged ``lens`` over a
+    pool of ``block_size`` blocks (shuffled or in order), rows padded with -1 past their
+    blocks, large scores (the running max moves) and loud garbage past each length."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 2
+    k = torch.randn(num_blocks, block_size, kv_heads, d, generator=g) * 3
+    v = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    ids = (torch.randperm(num_blocks, generator=g) if shuffle
+           else torch.arange(num_blocks)).tolist()
+    table = torch.full((len(lens), max(per)), -1, dtype=torch.int32)
+    start = 0
+    for row, (n, p) in enumerate(zip(lens, per)):
+        blocks = ids[start:start + p]
+        start += p
+        table[row, :p] = torch.tensor(blocks, dtype=torch.int32)
+        tail = n - (p - 1) * block_size           # filled slots of the last block
+        k[blocks[-1], tail:] = 40.0               # slots past the length: never to be read
+        v[blocks[-1], tail:] = 25.0
+    q = torch.randn(len(lens), 1, heads, d, generator=g)
+    return q, k, v, torch.tensor(lens, dtype=torch.int32), table
+
+
+# name -> (block_size, lens, shuffle, kv_heads): the diagnosis below reads which of them fail
+_ATTENTION_CASES = {
+    "one partly filled block": (4, [3], True, 3),
+    "one full block": (4, [4], True, 3),
+    "full blocks, blocks in table order": (4, [12], False, 3),
+    "full blocks, shuffled pool": (4, [12, 8, 16], True, 3),
+    "ragged lengths, shuffled pool": (4, [13, 6, 1], True, 3),
+    "ragged, blocks of 16, shuffled": (16, [37, 70, 16], True, 3),
+    "one query head per KV head": (4, [13, 6], True, 9),
+}
+
+
+def _check_attention_cases(fn) -> "Verdict | None":
+    """The student's function against llmlab's paged reference; None when all match."""
+    from ..attention.paged import paged_attention_reference
+
+    errors = {}
+    for i, (name, (bs, lens, shuffle, kv)) in enumerate(_ATTENTION_CASES.items()):
+        q, k, v, lens_t, table = _attention_case(bs, lens, seed=40 + i, shuffle=shuffle,
+                                                 kv_heads=kv)
+        want = paged_attention_reference(q, k, v, lens_t, table)
+        got = fn(q, k, v, lens_t, table)
+        errors[name] = compare_tensors(got, want, f"the output ({name}: block size {bs}, "
+                                       f"lengths {lens})", 1e-4)
+    bad = [n for n, e in errors.items() if e]
+    if not bad:
+        return None
+    ok = {n for n, e in errors.items() if not e}
+    problem = errors[bad[0]]
+    if "shape" in problem or "tensor" in problem or "NaN" in problem:
+        return wrong(problem, "return [batch, 1, heads, head_dim] in q's dtype; a row's sum l "
+                     "is never 0 when the sequence has at least one token.")
+    if {"one partly filled block", "one full block"} <= ok and \
+            "full blocks, blocks in table order" in bad:
+        return wrong(f"{problem} Right with one block, wrong with several: when a later block "
+                     "raises the running max, what was summed before must be rescaled.",
+                     "alpha = exp(m_old − m_new); multiply the running sum and the "
+                     "accumulator by alpha before adding the new block.")
+    if "full blocks, blocks in table order" in ok and "full blocks, shuffled pool" in bad:
+        return wrong(f"{problem} Right when the blocks lie in the pool in table order, wrong "
+                     "when they are shuffled: logical block i of sequence b lives in physical "
+                     "block block_table[b, i], not in block i.",
+                     "read k_cache[block_table[b, i]].")
+    if "full blocks, shuffled pool" in ok and "one full block" in ok and \
+            "one partly filled block" in bad:
+        return wrong(f"{problem} Right when every block is full, wrong when the last block is "
+                     "partly filled: its slots past cache_seqlens[b] hold no token of this "
+                     "sequence and must not be read.",
+                     "block i holds min(block_size, n − i · block_size) filled slots.")
+    if "one query head per KV head" in ok:
+        return wrong(f"{problem} Right with one query head per KV head, wrong with 9 query "
+                     "heads sharing 3 KV heads: query head h reads KV head "
+                     "h // (heads // kv_heads).",
+                     "q[b, 0].view(kv_heads, heads // kv_heads, head_dim) groups them.")
+    return wrong(problem, "start from one sequence and one block: softmax(q·Kᵀ/√d)·V over "
+                 "its filled slots, then add the block loop and the online softmax.")
+
+
+def _engine_attention_run(backend: str, model, tokenizer):
+    """Greedy decoding of three prompts on SmolLM2 through the engine, every decode of
+    every layer reading the pool with ``backend``; -> token lists per prompt."""
+    from ..engine import LLM, SamplingParams
+
+    llm = LLM(model, tokenizer, block_size=4, num_blocks=48, max_num_seqs=4,
+              enable_prefix_caching=False, paged_attention=backend)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(_PROMPTS, params, use_tqdm=False)]
+
+
+STUDENT_BACKEND = "nb04_yours"
+
+
+def _dense_refused(q, k, v, *, causal=True, softmax_scale=None, key_padding_mask=None):
+    raise ValueError(f"the backend {STUDENT_BACKEND!r} reads K/V through a block table only")
+
+
+@exercise("nb04.paged_attention", notebook=NB,
+          title="decode attention that walks the block table with an online softmax, "
+                "run by the engine",
+          kind="build", solution=_solution_paged_attention,
+          wrong_variants={
+              "no rescale of the running sum": (_paged_no_rescale, ("rescale",)),
+              "reads the whole last block": (_paged_whole_last_block, ("cache_seqlens",)),
+              "logical block used as physical": (_paged_logical_blocks, ("block_table[b, i]",)),
+              "query heads mapped to the wrong KV head": (_paged_heads_interleaved,
+                                                          ("KV head",)),
+              "wraps llmlab's paged attention": (_paged_wraps_library, ("llmlab's own",)),
+              "wraps torch's fused attention": (_paged_wraps_fused, ("fused attention",)),
+          })
+def _check_paged_attention(fn, model=None, tokenizer=None):
+    """``fn(q, k_cache, v_cache, cache_seqlens, block_table, *, softmax_scale=None,
+    causal=True)`` (shapes in the notebook). Pass ``model=`` and ``tokenizer=`` (SmolLM2)
+    to reuse the notebook's loaded model."""
+    import torch
+
+    from .. import attention
+    from ..attention.paged import paged_attention_reference
+
+    if not callable(fn):
+        return wrong(f"pass your function itself, got {type(fn).__name__}.",
+                     "exercises.check(\"nb04.paged_attention\", paged_attention)")
+    guarded = _guard(fn)
+    try:
+        verdict = _check_attention_cases(guarded)
+    except _FusedAnswer as exc:
+        return _fused_verdict(exc)
+    if verdict is not None:
+        return verdict
+    model, tokenizer = _smollm2(model, tokenizer)
+    want = _reference("attention", model, tokenizer,
+                      lambda m, t: _engine_attention_run("paged", m, t))
+    calls, worst = [0], [0.0]
+
+    def yours(q, k_cache, v_cache, cache_seqlens, block_table, *, causal=True, **_):
+        ref = paged_attention_reference(q, k_cache, v_cache, cache_seqlens, block_table)
+        out = guarded(q, k_cache, v_cache, cache_seqlens, block_table)
+        if isinstance(out, torch.Tensor) and out.shape == ref.shape:
+            worst[0] = max(worst[0], float((out.float() - ref.float()).abs().max()))
+        calls[0] += 1
+        return out
+
+    attention.register(STUDENT_BACKEND, _dense_refused, with_kvcache=yours,
+                       description="notebook 04: the student's paged attention")
+    try:
+        got = _engine_attention_run(STUDENT_BACKEND, model, tokenizer)
+    except _FusedAnswer as exc:
+        return _fused_verdict(exc)
+    finally:
+        attention.unregister(STUDENT_BACKEND)
+    for i, (g, w) in enumerate(zip(got, want)):
+        diff = first_token_difference(g, w)
+        if diff:
+            return wrong(f"SmolLM2 served by the engine with your attention generates different "
+                         f"greedy tokens for prompt {i} ({_PROMPTS[i]!r}): {diff} The largest "
+                         f"error against llmlab's paged reference over the run was "
+                         f"{worst[0]:.2g}.", "run your function on the cases above with "
+                         "float32 inputs and compare it with the formula.")
+    n_tokens = sum(len(g) for g in got)
+    return right(f"{len(_ATTENTION_CASES)} cases match llmlab's paged reference, and SmolLM2 "
+                 f"served {len(got)} prompts through the engine with your attention in all "
+                 f"{model.config.num_layers} layers ({calls[0]:,} calls, blocks of 4): "
+                 f"{n_tokens} greedy tokens equal to llmlab's paged backend, max |error| "
+                 f"{worst[0]:.1e} over the run.")
+
+
+def _fused_verdict(exc) -> "Verdict":
+    return wrong(f"your answer calls torch's fused attention ({exc}), which does the whole job "
+                 "this build asks you to write.", "walk the block table yourself: one block's "
+                 "scores, then the online-softmax update.")
+
+
+# ---- 7. predict, then measure: the waste of reserving the maximum length -------------------
+
+def trace_means(name: str = "sharegpt_like") -> tuple[float, float]:
+    """Mean prompt and output tokens of a shipped trace (the notebook prints them)."""
+    from ..cache import waste
+
+    reqs = waste.load_trace(name)
+    return (sum(r.prompt_tokens for r in reqs) / len(reqs),
+            sum(r.total_tokens - r.prompt_tokens for r in reqs) / len(reqs))
+
 
 def measured_max_len_waste(cap: int = 1024, budget: int = 16384) -> float:
     """Waste of the max_len policy on the ShareGPT-like trace (what notebook 04 measures)."""
@@ -620,28 +1275,40 @@ def _check_predict_waste(answer, measured: float | None = None):
             or not math.isfinite(answer):
         return wrong(f"the prediction should be a number, got {answer!r}.",
                      "a fraction such as 0.5, or a percentage such as 50.")
+    prompt, output = trace_means()
     frac = answer / 100 if answer > 1 else answer
     gap = frac - measured
     if abs(gap) <= 0.10:
-        return right(f"you predicted {frac:.0%}, measured {measured:.0%}. The mean request "
-                     "ends with about 161 + 338 tokens, but each reserves prompt + 1024, so "
-                     "most of what it holds is never written.")
+        return right(f"you predicted {frac:.0%}, measured {measured:.0%}. The trace's mean "
+                     f"request ends with {prompt:.0f} + {output:.0f} tokens but reserves prompt "
+                     "+ 1024, so most of what it holds is never written.")
     side = "too low" if gap < 0 else "too high"
     return wrong(f"you predicted {frac:.0%}, measured {measured:.0%}: off by "
                  f"{abs(gap) * 100:.0f} percentage points ({side}).",
-                 "compare the mean tokens a request ends with (prompt 161 + output 338) with "
-                 "what it reserves (prompt + 1024); the ratio is about the share used.")
+                 f"compare the mean tokens a request ends with (prompt {prompt:.0f} + output "
+                 f"{output:.0f}) with what it reserves (prompt + 1024); their ratio is about "
+                 "the share used.")
 
 
-# ---- 6. explain: why paging preempts -------------------------------------------------------
+# ---- 8. explain: why paging preempts -------------------------------------------------------
 
-_PREEMPT_CHOICES = {
-    "a": "Paging admits a request once its prompt fits and gives it blocks as it grows; when "
-         "the requests in flight have grown past the pool, the newest is preempted and "
-         "recomputed later. Reserving prompt + cap up front never runs out mid-generation; "
-         "it pays for that by holding memory that is never written.",
-    "b": "block tables do not overflow: a table grows by one entry per new block, and block "
+PREEMPT_CHOICES = {
+    "a": "With 16-token blocks the block tables overflow, and a full table forces a preemption.",
+    "b": "Paging admits a request once its prompt fits; when those running outgrow the pool, "
+         "the newest is preempted.",
+    "c": "Freed blocks end up scattered over the pool, and a scattered block cannot be handed to "
+         "a different request.",
+    "d": "A preempted request loses the tokens it had generated, so the simulation must start "
+         "it over from its prompt.",
+}
+
+_PREEMPT_EXPLANATIONS = {
+    "a": "block tables do not overflow: a table grows by one entry per new block, and block "
          "size changes only the tail waste (at most block_size - 1 slots per sequence).",
+    "b": "paging admits on the prompt alone and hands out blocks as sequences grow; when the "
+         "sequences in flight outgrow the pool, the newest is preempted and recomputed later. "
+         "Reserving prompt + cap up front never runs out mid-generation; it pays for that by "
+         "holding memory that is never written.",
     "c": "paging has no external fragmentation: any free block can serve any sequence, "
          "wherever it sits in the pool.",
     "d": "preemption by recompute loses nothing: the request keeps its tokens, goes back to "
@@ -650,158 +1317,14 @@ _PREEMPT_CHOICES = {
 
 
 @exercise("nb04.explain_preemptions", notebook=NB,
-          title="why paging preempts while reserving the maximum length never does",
-          kind="explain", solution="a",
-          wrong_variants={"fragmentation": ("c", ("fragmentation",))})
+          title="why does paging preempt, while reserving the maximum length never does?",
+          kind="explain", solution="b", choices=PREEMPT_CHOICES,
+          wrong_variants={"fragmentation": ("c", ("fragmentation",)),
+                          "tables overflow": ("a", ("overflow",))})
 def _check_explain_preemptions(answer):
-    return choice_verdict(answer, "a", _PREEMPT_CHOICES)
-
-
-# ---- 7. stretch: the paged kernel's block loop ----------------------------------------------
-
-def _solution_paged_decode(q, k_cache, v_cache, cache_seqlens, block_table):
-    """One decode query per sequence, reading K/V block by block with an online softmax.
-
-    q [batch, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads,
-    head_dim]; cache_seqlens [batch]; block_table [batch, max_blocks] -> [batch, heads, head_dim].
-    """
-    import torch
-
-    batch, heads, d = q.shape
-    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    out = torch.empty(batch, heads, d, dtype=torch.float32)
-    for b in range(batch):
-        n = int(cache_seqlens[b])
-        qb = q[b].float().view(kv_heads, group, d)                 # [kv, g, d]
-        m = torch.full((kv_heads, group), float("-inf"))
-        l = torch.zeros(kv_heads, group)
-        acc = torch.zeros(kv_heads, group, d)
-        for i in range(-(-n // bs)):
-            blk = int(block_table[b, i])
-            valid = min(bs, n - i * bs)
-            k = k_cache[blk, :valid].float().permute(1, 0, 2)       # [kv, valid, d]
-            v = v_cache[blk, :valid].float().permute(1, 0, 2)
-            s = qb @ k.transpose(1, 2) / math.sqrt(d)              # [kv, g, valid]
-            m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp(m - m_new)
-            p = torch.exp(s - m_new[..., None])
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ v
-            m = m_new
-        out[b] = (acc / l[..., None]).reshape(heads, d)
-    return out.to(q.dtype)
-
-
-def _paged_decode_no_rescale(q, k_cache, v_cache, cache_seqlens, block_table):
-    import torch
-
-    batch, heads, d = q.shape
-    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    out = torch.empty(batch, heads, d)
-    for b in range(batch):
-        n = int(cache_seqlens[b])
-        qb = q[b].float().view(kv_heads, group, d)
-        m = torch.full((kv_heads, group), float("-inf"))
-        l = torch.zeros(kv_heads, group)
-        acc = torch.zeros(kv_heads, group, d)
-        for i in range(-(-n // bs)):
-            blk = int(block_table[b, i])
-            valid = min(bs, n - i * bs)
-            k = k_cache[blk, :valid].float().permute(1, 0, 2)
-            v = v_cache[blk, :valid].float().permute(1, 0, 2)
-            s = qb @ k.transpose(1, 2) / math.sqrt(d)
-            m = torch.maximum(m, s.amax(-1))                       # max kept, sums not rescaled
-            p = torch.exp(s - m[..., None])
-            l = l + p.sum(-1)
-            acc = acc + p @ v
-        out[b] = (acc / l[..., None]).reshape(heads, d)
-    return out
-
-
-def _paged_decode_whole_last_block(q, k_cache, v_cache, cache_seqlens, block_table):
-    import torch
-
-    bs = k_cache.shape[1]
-    full = torch.tensor([-(-int(n) // bs) * bs for n in cache_seqlens], dtype=torch.int32)
-    return _solution_paged_decode(q, k_cache, v_cache, full, block_table)
-
-
-def _paged_cases():
-    """(q, k_cache, v_cache, lens, table, label): ragged lengths over a shuffled pool."""
-    import torch
-
-    g = torch.Generator().manual_seed(4)
-    cases = []
-    for bs, lens, label in ((4, [1], "one token"), (4, [4], "one full block"),
-                            (4, [13, 8, 5], "ragged, several blocks"),
-                            (16, [37, 70, 16], "block 16, ragged")):
-        per = max(-(-n // bs) for n in lens)
-        nb = per * len(lens) + 2
-        k = torch.randn(nb, bs, 3, 16, generator=g) * 3          # large scores: the max moves
-        v = torch.randn(nb, bs, 3, 16, generator=g)
-        table = torch.randperm(nb, generator=g)[:per * len(lens)].view(len(lens), per)
-        q = torch.randn(len(lens), 9, 16, generator=g)
-        cases.append((q, k, v, torch.tensor(lens, dtype=torch.int32), table.to(torch.int32),
-                      label))
-    return cases
-
-
-@exercise("nb04.paged_block_loop", notebook=NB,
-          title="stretch: decode attention that walks the block table block by block",
-          kind="build", solution=_solution_paged_decode, stretch=True,
-          wrong_variants={
-              "no running-max rescale": (_paged_decode_no_rescale, ("rescale",)),
-              "reads the whole last block": (_paged_decode_whole_last_block,
-                                             ("cache_seqlens",)),
-          })
-def _check_paged_block_loop(fn):
-    """``fn(q [batch, heads, d], k_cache, v_cache, cache_seqlens, block_table)``."""
-    from ..attention.paged import paged_attention_reference
-
-    results = []
-    for q, k, v, lens, table, label in _paged_cases():
-        want = paged_attention_reference(q[:, None], k, v, lens, table)[:, 0]
-        got = fn(q, k, v, lens, table)
-        results.append((label, compare_tensors(got, want, f"the output ({label})", 1e-4),
-                        lens, k.shape[1]))
-    bad = [r for r in results if r[1]]
-    if not bad:
-        return right("matches the paged reference at ragged lengths, block sizes 4 and 16, "
-                     "GQA 9:3 heads: the loop the paged_triton kernel runs per sequence.")
-    label, problem = bad[0][:2]
-    if _last_block_only(fn):
-        return wrong(f"{problem} Right when every block is full, wrong when the last block is "
-                     "partly filled: slots past cache_seqlens are being read.",
-                     "read only min(block_size, n - i * block_size) slots of block i.")
-    ok = {r[0] for r in results if not r[1]}
-    if {"one token", "one full block"} <= ok:
-        return wrong(f"{problem} Right with one block, wrong with several: the running max "
-                     "and sum must rescale when a later block raises the max.",
-                     "alpha = exp(m_old - m_new); multiply l and the accumulator by alpha.")
-    return wrong(problem, "start from one sequence and one block: softmax(q·Kᵀ/√d)·V with "
-                 "query head h reading KV head h // (heads // kv_heads).")
-
-
-def _last_block_only(fn) -> bool:
-    """True when ``fn`` is right at lengths that fill their blocks but not at ragged ones."""
-    import torch
-
-    from ..attention.paged import paged_attention_reference
-
-    g = torch.Generator().manual_seed(9)
-    k = torch.randn(6, 4, 3, 16, generator=g)
-    v = torch.randn(6, 4, 3, 16, generator=g)
-    q = torch.randn(1, 9, 16, generator=g)
-    table = torch.tensor([[5, 2, 0]], dtype=torch.int32)
-    errs = []
-    for n in (12, 10):
-        lens = torch.tensor([n], dtype=torch.int32)
-        want = paged_attention_reference(q[:, None], k, v, lens, table)[:, 0]
-        errs.append(compare_tensors(fn(q, k, v, lens, table), want, "out", 1e-4))
-    return errs[0] is None and errs[1] is not None
+    return choice_verdict(answer, "b", _PREEMPT_EXPLANATIONS)
 
 
 __all__ = ["random_block_ops", "BlockOpsReport", "BlockInvariantError", "cow_scenario",
-           "measured_max_len_waste"]
+           "measured_max_len_waste", "trace_means", "slot_of", "wasted_slots",
+           "STUDENT_BACKEND"]
