@@ -28,7 +28,6 @@ import torch
 import llmlab
 from llmlab import exercises
 from llmlab.device import TRITON_MISSING, describe, device_name, has_triton
-from llmlab.layers import moe as M
 from llmlab.layers import moe_stats as S
 from transformers.utils import logging as hf_logging
 
@@ -88,17 +87,18 @@ fig = plot_compute_accounts(accounts)
 #   one *grouped GEMM* kernel covers every expert: `llmlab.kernels.moe_gemm`), and the results
 #   go back to their tokens.
 #
-# Here is the grouping on a toy batch: 4 tokens, top-2 of 5 experts. The flattened pairs are
-# numbered token by token (pair 2t + j is token t's j-th choice).
-
-# %%
-# NBVAL_CHECK_OUTPUT
-experts = torch.tensor([[3, 0], [0, 1], [3, 1], [2, 0]])  # 4 tokens, top-2 of 5 experts
-order, token, offsets = M.group_by_expert(experts, num_experts=5)
-print("pair index, sorted by expert:", order.tolist())
-print("expert of each sorted pair:  ", experts.reshape(-1)[order].tolist())
-print("token of each sorted pair:   ", token.tolist())
-print("offsets (expert e owns sorted rows offsets[e]:offsets[e+1]):", offsets.tolist())
+# Here is the grouping on a toy batch: 4 tokens, top-2 of 5 experts, with the choices
+# `[[3, 0], [0, 1], [3, 1], [2, 0]]`. The flattened pairs are numbered token by token (pair
+# 2t + j is token t's j-th choice); sorted by expert, with ties kept in pair order:
+#
+# | sorted row | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+# |---|---|---|---|---|---|---|---|---|
+# | pair | 1 | 2 | 7 | 3 | 5 | 6 | 0 | 4 |
+# | expert | 0 | 0 | 0 | 1 | 1 | 2 | 3 | 3 |
+# | token | 0 | 1 | 3 | 1 | 2 | 3 | 0 | 2 |
+#
+# Expert 0 owns sorted rows 0–2, expert 1 rows 3–4, expert 2 row 5, expert 3 rows 6–7, and
+# expert 4 none: the boundaries are `[0, 3, 5, 6, 8, 8]`, a running sum of the experts' counts.
 
 # %% [markdown]
 # ## Build: routing and grouped dispatch
@@ -148,6 +148,8 @@ exercises.check("nb06.moe_dispatch", moe_dispatch)
 # %%
 # NBVAL_CHECK_OUTPUT
 from transformers import AutoModelForCausalLM
+
+from llmlab.layers import moe as M
 
 tiny = llmlab.load_model("tiny-mixtral")
 hf = AutoModelForCausalLM.from_pretrained(str(llmlab.models.resolve("tiny-mixtral")),
@@ -341,16 +343,24 @@ for r in token_rows:
     print(f"{r['tokens']:4d} tokens: dense {d:7.1f} ms, loop {lp:7.1f} ms, grouped {g:7.1f} ms "
           f"-> dense/grouped {d / g:.1f}x, loop/grouped {lp / g:.2f}x")
 first, last = expert_rows[0], expert_rows[-1]
+growth = {}
 for s in ("dense", "grouped"):
     a, b = median_of(first, f"{s} µs/token"), median_of(last, f"{s} µs/token")
+    growth[s] = b / a
     print(f"{s:8s}: {a:6.0f} µs/token with {first['experts']} experts, {b:6.0f} with "
           f"{last['experts']} ({b / a:.1f}x for {last['experts'] // first['experts']}x the experts)")
+# the reading below relies on: dense slower at one token, loop and grouped level, and dense
+# growing much faster with the experts than grouped
+one = token_rows[0]
+assert median_of(one, "dense ms") > 1.5 * median_of(one, "grouped ms")
+assert all(0.7 < median_of(r, "loop ms") / median_of(r, "grouped ms") < 1.4 for r in token_rows)
+assert growth["dense"] > 2 * growth["grouped"]
 
 # %% [markdown]
 # Read the printed ratios against two models. **FLOPs**: dense does E/k = 4 times the
 # arithmetic of top-2, so where the matrix multiplies dominate (many tokens) the dense/grouped
 # ratio approaches 4. **Bytes**: with a single token, dense still runs (and reads the weights
-# of) all 8 experts while grouped touches only the 2 chosen ones, so dense is far slower; from
+# of) all 8 experts while grouped touches only the 2 chosen ones, so dense is slower; from
 # a few dozen tokens on every expert has work, grouped reads them all too, and its advantage
 # shrinks until the FLOPs take over (the GPU model below has the same shape). **loop** and
 # **grouped** run the same per-expert matrix multiplies on a CPU, so neither has a systematic
