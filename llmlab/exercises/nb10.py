@@ -565,18 +565,19 @@ def _check_engine_loop(fn, model: str = LOOP_MODEL) -> object:
                           "no limit": (1000.0, ("tokens per second",))})
 def _check_predict_capacity(answer, measured: float | None = None,
                             capacity: float | None = None) -> object:
-    """``measured``: the largest swept rate sustained; ``capacity``: the estimate from
-    batched tokens/s over tokens per request (the rates are swept in factors of 2)."""
+    """``measured``: the largest swept rate sustained (0 when none was); ``capacity``: the
+    requests per second the server finished with its batch full (the notebook's burst), the
+    answer to compare with when no rate of the sweep was sustained."""
     if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not answer > 0:
         return wrong(f"the answer should be a rate in requests per second > 0, got {answer!r}.")
     want = float(measured) if measured else float(capacity or 2.0)
-    what = "the measured" if measured else "a typical 2-core CPU's"
+    what = ("the measured" if measured else "the burst's full-batch" if capacity
+            else "a typical 2-core CPU's")
     why = ("a server saturates when requests arrive faster than it finishes them: at full "
            "batch it makes about (tokens per second) / (tokens per request) requests per "
            "second; past that the queue, and the TTFT, grow without bound.")
     if want / 2 <= answer <= want * 2:
-        return right(f"{answer:g} req/s is within a factor of 2 of {what} {want:g} req/s "
-                     f"(the sweep doubles the rate each step). {why}")
+        return right(f"{answer:g} req/s is within a factor of 2 of {what} {want:g} req/s. {why}")
     if answer < want:
         return wrong(f"{answer:g} req/s is well below {what} {want:g} req/s: continuous "
                      f"batching serves many requests at once. {why}",
@@ -605,7 +606,7 @@ _STATIC_EXPLANATIONS = {
          "al., OSDI 2022) calls this request-level scheduling; iteration-level scheduling "
          "admits it at the next step.",
     "b": "padding makes a static step somewhat dearer, but one step is tens of milliseconds: "
-         "it cannot make the TTFT several times longer. The wait is for whole batches.",
+         "it cannot make the TTFT many times longer. The wait is for whole batches.",
     "c": "the HTTP and SSE path is the same code for both schedulers, and small next to a "
          "step; only the engine's schedule differs.",
     "d": "that is the continuous scheduler; the static one admits no one until every member "
@@ -614,8 +615,8 @@ _STATIC_EXPLANATIONS = {
 
 
 @exercise("nb10.explain_static_ttft", notebook=NB, kind="explain",
-          title="explain: at the lowest rate, why is the static scheduler's p90 TTFT several "
-                "times the continuous one's?",
+          title="explain: at the lowest rate, why is the static scheduler's p90 TTFT so much "
+                "higher than the continuous one's?",
           solution="a", choices=_STATIC_OPTIONS,
           wrong_variants={"padding": ("b", ("step",)), "http": ("c", ("same code",)),
                           "continuous": ("d", ("continuous",))})

@@ -32,7 +32,11 @@ Faults, and why one request cannot fail another:
 
 Every submitted request gets exactly one final event (``done``, ``rejected`` or
 ``error``). While serving, the engine keeps no per-step log (it would grow forever).
-Taught in notebook 10.
+
+The loop talks to a request's handler through :class:`Handle`'s ``accept``, ``send``,
+``finish`` and ``fail``. :class:`AsyncEngineLoop` serves with a loop written as a coroutine
+instead (``create_app(..., engine_loop=run)``): notebook 10's build, the same idea on the
+event loop, with the step in a worker thread. Taught in notebook 10.
 """
 from __future__ import annotations
 
