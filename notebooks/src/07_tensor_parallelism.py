@@ -244,13 +244,14 @@ tp3, allreduce3, account3 = launch(run_sequence, 3, [
     (decode_account_on_ranks, ("smollm2-135m", ids.shape[1])),   # one thread per rank
 ])
 err = (tp3.logits - ref_logits).abs().max().item()
+print(f"max |logits(tp=3) - logits(tp=1)| = {err:.1e} (the exact value depends on the CPU's BLAS)")
 counted = [op for op, _ in tp3.collectives].count("all_reduce")
 exercises.check("nb07.predict_allreduces", my_allreduce_prediction, measured=counted)
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print("tp=3 logits shape:", tuple(tp3.logits.shape))
-print(f"max |logits(tp=3) - logits(tp=1)| = {err:.1e} (< 1e-4: {err < 1e-4})")
+print(f"max |logits(tp=3) - logits(tp=1)| < 1e-4: {err < 1e-4}")
 print("greedy tokens identical:", tp3.tokens == ref.token_ids)
 print("text:", tok.decode([t for t in tp3.tokens if t != eos]))
 
