@@ -144,6 +144,8 @@ print(f"  inside the {ops.matmul_calls} matrix multiplies: {split.matmul_s * 1e3
 print(f"  outside them: {split.outside_s * 1e3:.1f} ms ({split.outside_share:.0%} of the step), over "
       f"{ops.total} operator calls = {split.outside_per_op_s * 1e6:.1f} µs per call")
 print(f"  of which bare dispatch, {ops.total} calls × t_op {t_op * 1e6:.2f} µs: {ops.total * t_op * 1e3:.1f} ms")
+if split.outside_s < 0:
+    print("(the profiled runs were slower than the timed ones: the machine was busy; run it again)")
 
 # %%
 inside = split.matmul_s / split.median_s
