@@ -210,7 +210,7 @@ def test_the_block_checker_on_real_ranks_names_two_more_mistakes(variant, words)
 def test_a_decode_step_account_adds_up_on_two_ranks():
     """decode_account_on_ranks: the parts of each rank's step add up to its median step, the
     collectives are the model's (2 per layer + the embedding's all-reduce + the logits
-    all-gather), and tp = 2 calls as many other operators as one process."""
+    all-gather), and tp = 2 calls about as many other operators as one process."""
     from llmlab.parallel.workers import decode_account_on_ranks
 
     one = launch(decode_account_on_ranks, 1, "tiny-llama", 8, 5, 1, 2)
@@ -220,6 +220,7 @@ def test_a_decode_step_account_adds_up_on_two_ranks():
     for a in two:
         assert a.collectives == 2 * 2 + 1 + 1 and a.inside_collectives_s > 0
         assert a.matmul_s > 0 and a.matmul_ops == one[0].matmul_ops
-        assert a.other_ops == pytest.approx(one[0].other_ops, rel=0.1)
+        # the same layers' operators, plus a few for the split embedding and the gathered logits
+        assert one[0].other_ops <= a.other_ops < 1.25 * one[0].other_ops
         assert a.matmul_s + a.other_s + a.inside_collectives_s == pytest.approx(a.median_s)
         assert len(a.step_s) == len(a.collective_s) == 5 and a.op_overhead_s > 0
