@@ -38,7 +38,8 @@ def test_each_notebook_has_a_build_exercise():
 # checkers that run SmolLM2 or spawn processes take seconds each: `make test-fast` skips them
 SLOW_CHECKERS = {"nb02.kv_cache", "nb04.block_allocator", "nb07.tensor_parallel_linear",
                  "nb07.sequence_parallel_norm", "nb08.group_quantize", "nb09.accept_reject",
-                 "nb11.fixed_shape_attend", "nb11.predict_outside_share"}
+                 "nb11.fixed_shape_attend", "nb11.predict_outside_share",
+                 "nb07.tensor_parallel_block"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CHECKERS
