@@ -117,11 +117,14 @@ def _run(coro):
 
 def rate_sweep(base_url: str, model: str, bodies: list[dict], rates: list[float],
                ttft_target_s: float, seed: int = 0, label: str = "",
-               keep_results: bool = False) -> list[dict]:
-    """One load run per rate against a running server (a warm-up of two requests first);
-    -> a summary row per rate (:func:`~llmlab.serve.client.summarize`), with the raw
+               keep_results: bool = False, warmup: bool = True) -> list[dict]:
+    """One load run per rate against a running server (a warm-up of two requests first,
+    unless ``warmup=False``); -> a summary row per rate
+    (:func:`~llmlab.serve.client.summarize`), with the raw
     :class:`~llmlab.serve.client.StreamResult` list under ``"results"`` if ``keep_results``."""
-    _run(run_load(base_url, model, bodies[:2], [0.0, 0.0]))     # warm-up
+    if warmup:
+        _run(run_load(base_url, model, bodies[:2], [0.0, 0.0]))
+
     rows = []
     for rate in rates:
         arrivals = poisson_arrivals(rate, len(bodies), seed=seed)

@@ -615,8 +615,8 @@ _STATIC_EXPLANATIONS = {
 
 
 @exercise("nb10.explain_static_ttft", notebook=NB, kind="explain",
-          title="explain: at the lowest rate, why is the static scheduler's p90 TTFT so much "
-                "higher than the continuous one's?",
+          title="explain: at the lowest rate, why is the static scheduler's p90 TTFT higher "
+                "than the continuous one's?",
           solution="a", choices=_STATIC_OPTIONS,
           wrong_variants={"padding": ("b", ("step",)), "http": ("c", ("same code",)),
                           "continuous": ("d", ("continuous",))})
