@@ -2,7 +2,7 @@
 import pytest
 
 from llmlab.engine.llm import EngineStats, StepRecord
-from llmlab.profiling.steps import fit_step_cost
+from llmlab.profiling.steps import fit_step_cost, prompt_token_cost
 
 
 def _stats(steps):
@@ -33,3 +33,13 @@ def test_a_slope_the_steps_cannot_show_is_zero():
     assert cost.fixed_ms == pytest.approx(40.0)
     with pytest.raises(ValueError, match="too few"):
         fit_step_cost([_stats([(40.0, 4, 0)])])
+
+
+def test_prompt_token_cost_is_the_median_extra_per_token():
+    fixed, row = 30.0, 2.0
+    decode = fit_step_cost([_stats([(fixed + row * r, r, 0) for r in (1, 2, 3, 1, 2)])])
+    steps = [(fixed + row * 1 + 0.5 * 64, 1, 64), (fixed + row * 2 + 0.5 * 64, 2, 64),
+             (fixed + 500.0, 1, 64)]                 # one step slowed by something else
+    assert prompt_token_cost([_stats(steps)], decode) == pytest.approx(0.5)
+    assert prompt_token_cost([_stats([(30.0, 1, 0)])], decode) != prompt_token_cost(
+        [_stats([(30.0, 1, 0)])], decode)           # NaN: no prompt step

@@ -74,4 +74,19 @@ def fit_step_cost(stats_list: Iterable) -> StepCost:
     return StepCost(float(coef[0]), per_row, per_prompt, len(ms), rms)
 
 
-__all__ = ["StepCost", "fit_step_cost", "step_arrays"]
+def prompt_token_cost(stats_list: Iterable, decode: StepCost) -> float:
+    """What one prompt token adds to a step, in ms: over the steps that fed prompt tokens,
+    the median of (step time − ``decode``'s fixed and per-row cost) / prompt tokens.
+
+    ``decode`` is a fit over many steps (:func:`fit_step_cost`); the median keeps a few
+    steps slowed by other processes from moving the answer. NaN when no step fed a prompt.
+    """
+    ms, rows, prompt = step_arrays(stats_list)
+    has = prompt > 0
+    if not has.any():
+        return float("nan")
+    extra = ms[has] - decode.fixed_ms - decode.per_row_ms * rows[has]
+    return float(np.median(extra / prompt[has]))
+
+
+__all__ = ["StepCost", "fit_step_cost", "prompt_token_cost", "step_arrays"]
