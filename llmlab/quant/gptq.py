@@ -191,20 +191,20 @@ def gptq_int8(w: torch.Tensor, H: torch.Tensor, damp: float = DAMP, block: int =
         raise ValueError(f"H is not positive definite even with damp={damp}; H must be a "
                          f"second moment XᵀX/n (symmetric, positive semi-definite): {e}") from e
 
-    s = scale[:, None]
-    Q = torch.zeros_like(W)
+    # columns as contiguous rows: every step below reads and writes whole rows of Wt
+    Wt, Qt = W.t().contiguous(), torch.zeros(n, w.shape[0], dtype=w.dtype, device=w.device)
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
-        W1 = W[:, b0:b1].clone()
+        W1 = Wt[b0:b1].clone()                         # [columns of the block, out]
         Err = torch.zeros_like(W1)
         Hi = Hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            col = W1[:, i:i + 1]
-            q = torch.round(col / s).clamp_(-127, 127)
-            Q[:, b0 + i:b0 + i + 1] = q
-            e = (col - q * s) / Hi[i, i]
-            W1[:, i:] -= e * Hi[i:i + 1, i:]
-            Err[:, i:i + 1] = e
-        W[:, b1:] -= Err @ Hinv[b0:b1, b1:]
-    q = Q[:, torch.argsort(perm)].to(torch.int8)
+            col = W1[i]
+            q = torch.round(col / scale).clamp_(-127, 127)
+            Qt[b0 + i] = q
+            e = (col - q * scale) / Hi[i, i]
+            W1[i:] -= Hi[i, i:, None] * e
+            Err[i] = e
+        Wt[b1:] -= Hinv[b0:b1, b1:].t() @ Err
+    q = Qt.t()[:, torch.argsort(perm)].to(torch.int8)
     return q, scale
