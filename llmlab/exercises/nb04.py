@@ -568,10 +568,9 @@ def _check_block_allocator(cls, model=None, tokenizer=None):
     if not callable(cls):
         return wrong(f"pass your allocator class itself, got {type(cls).__name__}.",
                      "exercises.check(\"nb04.block_allocator\", MyBlockAllocator)")
-    model, tokenizer = _smollm2(model, tokenizer)
-    want, _ = _reference_tokens(model, tokenizer)      # llmlab's allocator, outside the guard
-    with forbid(BlockAllocator.allocate, BlockAllocator.incref, BlockAllocator.decref,
-                BlockAllocator.num_free.fget):
+    library = (BlockAllocator.allocate, BlockAllocator.incref, BlockAllocator.decref,
+               BlockAllocator.num_free.fget)
+    with forbid(*library):
         verdict = _unit_checks(cls)
         if verdict is not None:
             return verdict
@@ -581,6 +580,9 @@ def _check_block_allocator(cls, model=None, tokenizer=None):
             return wrong(f"the random-operation test broke an invariant {exc}",
                          "the block tables are the library's; the counts and the free list "
                          "are yours. Replay the operation on a small pool by hand.")
+    model, tokenizer = _smollm2(model, tokenizer)
+    want, _ = _reference_tokens(model, tokenizer)      # llmlab's allocator, outside the guard
+    with forbid(*library):
         got, pre = _engine_allocator_run(cls, model, tokenizer)
     for i, (g, w) in enumerate(zip(got, want)):
         diff = first_token_difference(g, w)
@@ -872,9 +874,6 @@ def _check_append_slot(fn, model=None, tokenizer=None):
     if not callable(fn):
         return wrong(f"pass your function itself, got {type(fn).__name__}.",
                      "exercises.check(\"nb04.append_slot\", append_slot)")
-    model, tokenizer = _smollm2(model, tokenizer)
-    want, want_copies = _reference("append", model, tokenizer,
-                                   lambda m, t: _engine_append_run(None, m, t))
     library = (bm_module.append_to_table, BlockManager.append_slot)
 
     def guarded(table, n, pool, bs):
@@ -890,6 +889,9 @@ def _check_append_slot(fn, model=None, tokenizer=None):
         return wrong(f"the random-operation test broke an invariant {exc}",
                      "the allocator and the block manager are llmlab's; the table update is "
                      "yours. Replay the operation on a small pool by hand.")
+    model, tokenizer = _smollm2(model, tokenizer)
+    want, want_copies = _reference("append", model, tokenizer,
+                                   lambda m, t: _engine_append_run(None, m, t))
     got, copies = _engine_append_run(guarded, model, tokenizer)
     for i, (g, w) in enumerate(zip(got, want)):
         diff = first_token_difference(g, w)

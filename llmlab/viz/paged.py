@@ -195,7 +195,7 @@ def plot_block_size_tradeoff(block_size: int, sweep: Sequence[WasteResult],
         hi = [spread_ms[s][1] - ys[j] for j, s in enumerate(cs)]
         b.errorbar(cs, ys, yerr=[lo, hi], fmt="s-", color="#2e86ab", capsize=3,
                    label="median, min–max")
-        b.legend(fontsize=7, loc="lower right")
+        b.legend(fontsize=7, loc="best")
     else:
         b.plot(cs, ys, "s-", color="#2e86ab")
     if block_size in cost_ms:

@@ -12,15 +12,17 @@
 # allocated on demand) brought the waste **under 4%**. The larger batches that fit in the saved
 # memory gave vLLM **2–4×** the throughput of FasterTransformer and Orca at the same latency.
 #
-# This notebook builds that memory manager (you write its allocator), checks that the model's
-# tokens do not change when K/V live in pages, measures the waste on a request trace, and models
-# what the saved memory buys on a GPU.
+# This notebook builds that memory manager and the attention that reads it: you write the block
+# allocator, the copy-on-write that lets sequences share blocks, and the paged attention read
+# that the serving engine then runs in every layer of SmolLM2. Then it measures the waste on a
+# request trace and models what the saved memory buys on a GPU.
 
 # %%
 import os
 
 import ipywidgets as widgets
 import torch
+from IPython.display import Markdown, display
 
 import llmlab
 from llmlab import exercises
@@ -89,27 +91,24 @@ except NoFreeBlocksError as e:
 fig = pviz.plot_block_map_story()
 
 # %% [markdown]
-# ### Exercise 1 (build): where does a token live?
+# ### Exercise 1 (compute): where does a token live?
 #
-# The attention kernel and the cache writer need, for token `position` of a sequence, its *slot*:
-# its row in the pool flattened to `[num_blocks * block_size, kv_heads, head_dim]`. Write
-# `slot_of(block_table, position, block_size)`. Work it out from the picture above: which logical
-# block holds the position, which physical block that is, and how far into it the token sits.
+# The attention read and the cache writer need, for token `position` of a sequence, its *slot*:
+# its row in the pool flattened to `[num_blocks * block_size, kv_heads, head_dim]`. Work it out
+# from the picture above: which logical block holds the position, which physical block that is,
+# and how far into it the token sits: with the block table `[7, 2, 9]` and blocks of 4 tokens,
+# which slot holds token 6 of the sequence?
 
 # %%
-def slot_of(block_table, position, block_size):
-    # YOUR CODE HERE
-    raise NotImplementedError
-
-
-exercises.check("nb04.slot_of", slot_of)
+answer = ...  # YOUR ANSWER: an integer
+exercises.check("nb04.slot_of", answer)
 
 # %% [markdown]
-# Compare with llmlab's: `BlockManager.slot(seq_id, position)` computes the same from the
-# sequence's own table, and `PagedKVCache.prepare` turns every new token's slot into the
-# `slot_mapping` that the K/V writes use (slot −1 marks a pad, which is skipped).
+# Compare with llmlab's: `BlockManager.slot(seq_id, position)` computes it from the sequence's own
+# table, and `PagedKVCache.prepare` turns every new token's slot into the `slot_mapping` that the
+# K/V writes use (slot −1 marks a pad, which is skipped).
 #
-# ### Exercise 2 (build): the block allocator
+# ### Exercise 2 (build, warm-up): the block allocator
 #
 # Under the block tables sits the pool itself: which physical blocks are free, and how many block
 # tables point at each (its **reference count**). `BlockManager` asks only this of it:
@@ -125,8 +124,9 @@ exercises.check("nb04.slot_of", slot_of)
 # Write `MyBlockAllocator(num_blocks, block_size)`; block ids are `0 .. num_blocks − 1`. The
 # checker puts your class under llmlab's block tables (`BlockManager(..., allocator=...)`,
 # prefix caching off), runs 10,000 random allocate / append / fork / free operations against a
-# model of what every sequence has written, then serves SmolLM2 through the serving engine with
-# your allocator, a fork and a preemption included, and compares the tokens with llmlab's.
+# model of what every sequence has written, then serves SmolLM2 with
+# `LLM(..., allocator=MyBlockAllocator, enable_prefix_caching=False)`, a fork and a preemption
+# included, and compares the tokens with llmlab's.
 
 # %%
 from llmlab.cache.block_manager import NoFreeBlocksError
@@ -180,7 +180,49 @@ answer = ...  # YOUR ANSWER: an integer
 exercises.check("nb04.cow_blocks", answer)
 
 # %% [markdown]
-# ## Check: same attention, same tokens
+# ### Exercise 4 (build): the next token's slot, with copy-on-write
+#
+# Every decode step the scheduler asks the block manager for one more slot per running sequence
+# (`BlockManager.append_slot`), and the manager updates the sequence's block table. That update is
+# yours: when the last block is full the sequence needs a new one, and when the last block is
+# partly filled but **shared** with a forked sibling (its reference count is above 1) the write
+# must not land in it. Copy-on-write gives the writer a block of its own and tells the caller which
+# block's K/V to copy there before the new token is written (the cache does the copy:
+# `PagedKVCache.copy_blocks`). The exercise above is this rule, counted by hand.
+#
+# The checker calls your function directly on small pools, then runs it under llmlab's block
+# manager (`BlockManager(..., append_slot=...)`) through thousands of random allocate / append /
+# fork / free operations, and finally serves SmolLM2 with `LLM(..., append_slot=append_slot)`:
+# parallel sampling (n = 2, one fork) and a width-3 beam search (forks at every step). The tokens
+# must be llmlab's.
+
+# %%
+def append_slot(block_table, num_tokens, allocator, block_size):
+    """Reserve the slot of a sequence's next token.
+
+    block_table  the sequence's physical block ids, in logical order: update it in place
+    num_tokens   tokens the sequence holds so far, i.e. the new token's position
+    allocator    the pool, with the interface of Exercise 2 (allocate, incref, decref,
+                 num_free, ref_counts)
+    block_size   token slots per block
+    returns      (slot, cow): the new token's flat slot (as in Exercise 1), and cow = (src, dst)
+                 when the K/V already in block src must first be copied into block dst, else None
+
+    When a block is needed and none is free, raise NoFreeBlocksError(1, 0) and change nothing:
+    the scheduler then preempts a sequence and retries.
+    """
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb04.append_slot", append_slot, model=model, tokenizer=tok)
+
+# %% [markdown]
+# Compare with llmlab's: `llmlab.cache.block_manager.append_to_table` is the default that
+# `BlockManager.append_slot` calls; the manager itself first checks `can_append` (is a block free
+# if one is needed?) and records the token for prefix caching.
+#
+# ## Build: the paged attention read
 #
 # In the model, a `PagedKVCache` holds one pool per layer. Each attention layer calls
 # `cache.attend(layer_idx, q, k, v, backend)`, which does two things:
@@ -190,17 +232,64 @@ exercises.check("nb04.cow_blocks", answer)
 # out = backend.with_kvcache(q, k_pool, v_pool, cache_seqlens, block_table)   # read through tables
 # ```
 #
-# Three backends read the pool: `paged` (PyTorch: gather the sequence's K/V through its table,
-# then the textbook formula), `paged_sdpa` (whole blocks copied, then PyTorch's fused attention:
-# the engine's CPU default) and `paged_triton` (a kernel that loads each block where it lies,
-# `llmlab.kernels.paged_attn`). First the attention itself: random K/V for three sequences of
-# ragged lengths scattered over a shuffled pool, SmolLM2's head layout (9 query heads sharing
-# 3 KV heads), one decode query each.
+# The second line is the paged attention read, the kernel that gives PagedAttention its name.
+# A sequence's K/V are scattered over the pool, one block here, the next one elsewhere, and the
+# last one only partly filled. Kwon et al.'s kernel does not copy them together first: it walks
+# the sequence's block table, reads each block where it lies, and folds that block's scores into
+# a running softmax, the online softmax of notebook 03 (FlashAttention), so that no step needs
+# more than one block of K and V.
+#
+# ### Exercise 5 (build): decode attention through the block table
+#
+# Write it for decode, where each sequence brings one new query token. The signature is
+# FlashAttention's `flash_attn_with_kvcache`, which the library's paged backends share. The
+# checker first compares your function with llmlab's on ragged lengths over shuffled pools
+# (SmolLM2's head layout: 9 query heads sharing 3 KV heads), then registers it as an attention
+# backend (`llmlab.attention.register(..., with_kvcache=paged_attention)`) and serves three
+# prompts with `LLM(model, tok, paged_attention=<your backend>)`: every decode step of every layer
+# reads the pool through your function, and the greedy tokens must equal those of llmlab's `paged`
+# backend. Wrapping llmlab's own paged attention or torch's fused attention is refused.
+
+# %%
+def paged_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, softmax_scale=None,
+                    causal=True):
+    """Decode attention over a paged KV pool, one block of the table at a time.
+
+    q              [batch, 1, heads, head_dim]   each sequence's newest token
+    k_cache        [num_blocks, block_size, kv_heads, head_dim]   this layer's pool of keys
+    v_cache        [num_blocks, block_size, kv_heads, head_dim]   and of values
+    cache_seqlens  [batch] int32   tokens of sequence b in the pool, the newest included
+    block_table    [batch, max_blocks] int32   logical block -> physical block; entries past a
+                   sequence's own blocks are -1
+    softmax_scale  None means 1 / sqrt(head_dim); a decode query sees its whole sequence,
+                   so `causal` changes nothing here
+    returns        [batch, 1, heads, head_dim], in q's dtype
+
+    Query head h reads KV head h // (heads // kv_heads). Never build a sequence's whole K or V:
+    each step reads one block, and only the slots the sequence has filled.
+    """
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb04.paged_attention", paged_attention, model=model, tokenizer=tok)
+
+# %% [markdown]
+# ## Check: llmlab's paged backends, same tokens
+#
+# Compare with llmlab's. Three backends read the pool: `paged` (PyTorch: gather the sequence's
+# K/V through its table, then the textbook formula), `paged_sdpa` (whole blocks copied, then
+# PyTorch's fused attention: the engine's CPU default) and `paged_triton` (the kernel that loads
+# each block where it lies, `llmlab.kernels.paged_attn`); `paged_attention_blocks` is that
+# kernel's loop written in PyTorch, your Exercise 5. First the attention itself: random K/V for
+# three sequences of ragged lengths scattered over a shuffled pool, SmolLM2's head layout, one
+# decode query each.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from llmlab.attention import naive_attention
-from llmlab.attention.paged import gather_kv, paged_attention_reference, paged_attention_triton
+from llmlab.attention.paged import (gather_kv, paged_attention_blocks, paged_attention_reference,
+                                    paged_attention_triton)
 
 g = torch.Generator().manual_seed(0)
 lens, bs = [37, 5, 70], 16
@@ -213,7 +302,9 @@ ref = paged_attention_reference(q, k_pool, v_pool, seqlens, table)
 err_dense = max((naive_attention(q[i:i + 1], gather_kv(k_pool, table[i:i + 1], n),
                                  gather_kv(v_pool, table[i:i + 1], n)) - ref[i:i + 1]).abs().max().item()
                 for i, n in enumerate(lens))
+err_blocks = (paged_attention_blocks(q, k_pool, v_pool, seqlens, table) - ref).abs().max().item()
 print(f"paged reference vs dense naive: max |Δ| = {err_dense:.1e} (tolerance 1e-5)")
+print(f"block-by-block loop vs paged reference: max |Δ| = {err_blocks:.1e} (tolerance 1e-5)")
 if has_triton():
     err_triton = (paged_attention_triton(q, k_pool, v_pool, seqlens, table) - ref).abs().max().item()
     print(f"Triton kernel vs paged reference: max |Δ| = {err_triton:.1e} (tolerance 1e-5)")
@@ -250,8 +341,9 @@ else:
 # %% [markdown]
 # ## Measure: where the memory goes
 #
-# `data/traces/sharegpt_like.jsonl` has 300 requests whose lengths follow the ShareGPT statistics
-# the vLLM paper reports (mean input 161, output 338 tokens; `data/make_trace.py`).
+# `data/traces/sharegpt_like.jsonl` has 300 requests whose lengths were drawn to follow the
+# ShareGPT statistics the vLLM paper reports (mean input 161, output 338 tokens;
+# `data/make_trace.py`); the next cell prints what the drawn trace itself holds.
 # `llmlab.cache.waste` runs them through a KV pool of 16,384 token slots, one token per request per
 # step, all requests waiting at the start, under three policies:
 #
@@ -273,19 +365,28 @@ else:
 # * **idle**: free and usable.
 #
 # **Waste** is (reservation + internal + external) / (everything held), averaged over the steps.
-#
-# ### Exercise 4 (predict, then measure)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+reqs = waste.load_trace("sharegpt_like", limit=150 if QUICK else None)
+BUDGET, CAP = 16384, 1024
+mean_in = sum(r.prompt_tokens for r in reqs) / len(reqs)
+mean_out = sum(r.total_tokens - r.prompt_tokens for r in reqs) / len(reqs)
+print(f"{len(reqs)} requests: mean prompt {mean_in:.1f} tokens, mean output {mean_out:.1f} tokens, "
+      f"longest output {max(r.total_tokens - r.prompt_tokens for r in reqs)}")
+
+# %% [markdown]
+# ### Exercise 6 (predict, then measure)
 #
 # Before running the next cell: policy (a) reserves prompt + 1024 tokens for every request, and
-# the average request ends with 161 + 338 tokens. What share of the memory (a) holds is waste?
-# Commit a fraction (or a percentage); within 10 points of the measurement counts.
+# the average request ends with the mean prompt and output printed above. What share of the
+# memory (a) holds is waste? Commit a fraction (or a percentage); within 10 points of the
+# measurement counts.
 
 # %%
 my_prediction = ...  # YOUR ANSWER: e.g. 0.5
 
 # %%
-reqs = waste.load_trace("sharegpt_like", limit=150 if QUICK else None)
-BUDGET, CAP = 16384, 1024
 results = [waste.simulate(reqs, "max_len", BUDGET, max_tokens=CAP),
            waste.simulate(reqs, "batch_max", BUDGET),
            waste.simulate(reqs, "paged", BUDGET, block_size=16)]
@@ -300,25 +401,32 @@ for r in results:
     print(f"{r.label:18s} waste {r.waste:5.1%}  (reservation {f['reservation']:5.1%}, internal "
           f"{f['internal']:5.1%}, external {f['external']:4.1%} of the pool)  "
           f"{r.mean_running:5.1f} sequences in flight  {r.preemptions} preemptions")
+fc = c.fractions()
+print(f"paged, to two decimals: reservation {fc['reservation']:.2%}, internal {fc['internal']:.2%} "
+      "of the pool")
+assert fc["internal"] < 0.1 * fc["reservation"], "the paged tail: mostly slots still to be written"
 
 # %% [markdown]
-# ### Exercise 5 (build): wasted slots
+# Paging leaves one kind of unfilled memory: the tail of each sequence's last block. The
+# simulation splits it by what will happen to it. While a sequence is still generating, the
+# slots after its newest token will be written in the coming steps, so they count as
+# *reservation*: that is nearly all of bar (c)'s waste. Only the slots past a sequence's *final*
+# token are never written, and they are held only from the step it enters its last block until
+# it finishes and frees it: that is the *internal* share, printed to two decimals above
+# (the assertion checks that it is under a tenth of the reservation). Both are bounded by `block_size − 1` slots per sequence.
 #
-# Paging still leaves one kind of waste: the unfilled tail of each sequence's last block, the small
-# "internal" share of bar (c). Write `wasted_slots(lengths, block_size)`: the slots that sequences
-# of these lengths hold in their blocks but do not fill.
+# ### Exercise 7 (compute): the unfilled tail
+#
+# Four sequences of 37, 70, 16 and 5 tokens live in blocks of 16 slots. How many slots do their
+# blocks hold that no token fills?
 
 # %%
-def wasted_slots(lengths, block_size):
-    # YOUR CODE HERE
-    raise NotImplementedError
-
-
-exercises.check("nb04.wasted_slots", wasted_slots)
+answer = ...  # YOUR ANSWER: an integer
+exercises.check("nb04.wasted_slots", answer)
 
 # %% [markdown]
-# The cap is a guess the server must make: any request may run to it. Set it at the trace's longest
-# output (1016 tokens) or at twice that, and policy (a) holds ever more memory for nothing:
+# The cap is a guess the server must make: any request may run to it. Set it at the trace's
+# longest output (printed above) or beyond, and policy (a) holds ever more memory for nothing:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -330,17 +438,14 @@ for cap, r in zip(caps, capped):
           f"(paged: {c.mean_running:.1f}, {c.mean_running / r.mean_running:.1f}×)")
 
 # %% [markdown]
-# ### Exercise 6 (explain): why does paging preempt?
+# ### Exercise 8 (explain): why does paging preempt?
 #
-# Paging keeps about three times as many sequences in flight as reserving prompt + 1024, yet it
-# preempted hundreds of times, and policy (a) never did. Why? Answer with a letter.
-#
-# - (a) Paging admits a request as soon as its prompt fits and hands out blocks as it grows; when
-#   the sequences in flight outgrow the pool, the newest is preempted and recomputed later.
-#   Reserving the cap up front never runs out mid-generation.
-# - (b) With 16-token blocks the block tables overflow.
-# - (c) Freed blocks are scattered over the pool and cannot be reused (fragmentation).
-# - (d) A preempted request loses its tokens, so the simulation has to restart it.
+# Look at the printouts above: paging keeps more sequences in flight than reserving
+# prompt + 1024 (the printed ratios), yet it preempted requests (the printed count), and
+# policy (a) never does. Why?
+
+# %%
+exercises.ask("nb04.explain_preemptions")
 
 # %%
 my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
@@ -354,27 +459,40 @@ exercises.check("nb04.explain_preemptions", my_choice)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+
 total = sum(r.total_tokens for r in reqs)
-print(f"the trace: {total:,} tokens, {sum(r.prompt_tokens for r in reqs):,} of them in prompts")
+prompt_total = sum(r.prompt_tokens for r in reqs)
+print(f"the trace: {total:,} tokens, {prompt_total:,} of them in prompts")
+pools = {}
 for budget in (BUDGET, 2 * BUDGET, 4 * BUDGET):
     m = waste.simulate(reqs, "max_len", budget, max_tokens=CAP)
     p = waste.simulate(reqs, "paged", budget, block_size=16)
+    pools[budget] = (m, p)
     print(f"pool {budget:6,d} slots: {p.mean_running:5.1f} vs {m.mean_running:5.1f} sequences "
           f"({p.mean_running / m.mean_running:.1f}×), {p.preemptions:3d} preemptions, "
           f"{p.recomputed_tokens:6,d} tokens recomputed ({p.recomputed_tokens / total:4.0%} of the "
           f"trace); steps to finish {p.steps:,} vs {m.steps:,} "
           f"({p.steps / m.steps:.0%})")
+m1, p1 = pools[BUDGET]
+m4, p4 = pools[4 * BUDGET]
+vs_prompts = ("more than" if p1.recomputed_tokens > prompt_total else "less than")
+slowest = max(p.steps / m.steps for m, p in pools.values())
+display(Markdown(
+    f"So \"paging fits {p1.mean_running / m1.mean_running:.1f}× as many sequences\" needs its fine "
+    f"print. With {BUDGET:,} slots the paged pool is overcommitted: it admits on the prompt alone, "
+    f"and over the trace it recomputes {p1.recomputed_tokens:,} tokens, {vs_prompts} all the "
+    f"trace's prompts together ({prompt_total:,}). With 4× the memory the ratio is "
+    f"{p4.mean_running / m4.mean_running:.1f}×, with {p4.preemptions} preemptions instead of "
+    f"{p1.preemptions}. At every pool size paging finishes the trace in at most "
+    f"{slowest:.0%} of the steps that reserving the cap takes."))
 
 # %% [markdown]
-# So "paging fits about 3× as many sequences" needs its fine print. With 16,384 slots the paged
-# pool is overcommitted: it admits on the prompt alone, and over the trace it recomputes tens of
-# thousands of tokens, more than all the trace's prompts together. That recompute is prefill, the
-# cheapest work per token a GPU does (notebook 02: compute-bound, many tokens per weight read),
-# so it costs far less than the decode steps the larger batch saves, but it is not nothing, and
-# a real scheduler limits how often it happens (vLLM, for instance, admits a request only while
-# a watermark of free blocks remains). With 4× the memory the ratio is still about 2.4×, with
-# far fewer preemptions. Either way the trace finishes in well under half the steps: the
-# throughput that paging is for, which the next cell models on a GPU and notebook 05 measures.
+# That recompute is prefill, the cheapest work per token a GPU does (notebook 02: compute-bound,
+# many tokens per weight read), so it costs far less than the decode steps the larger batch
+# saves, but it is not nothing, and a real scheduler limits how often it happens (vLLM, for
+# instance, admits a request only while a watermark of free blocks remains). Fewer steps for the
+# same tokens is the throughput that paging is for, which the next cell models on a GPU and
+# notebook 05 measures.
 #
 # ### What the saved memory buys on a GPU (a model)
 #
@@ -483,25 +601,35 @@ print(f"prompt tokens {[len(p) for p in ids]}, served from the cache {cached}, h
 for i in range(len(ids)):
     print(f"request {i + 1}: {med(cold[i]):5.0f} ms -> {med(warm[i]):5.0f} ms of CPU "
           f"({med(cold[i]) / med(warm[i]):.1f}×, {cached[i]} of {len(ids[i])} prompt tokens cached)")
-
-# %% [markdown]
-# Request 1 finds nothing in the cache, and its two bars differ only by noise. The others reuse
-# the system prompt's six full blocks and compute only the 11–13 tokens after them, so their
-# first token costs a fraction of request 1's (the printed ratios). The ratio stays well below
-# 109 / 13 because a forward pass reads every weight once (about 540 MB in float32) however few
-# tokens it computes: with 13 tokens it sits in notebook 02's memory-bound corner, where the
-# weight reads, not the tokens, set the time.
+fresh = [len(p) - n for p, n in zip(ids, cached)]
+ratios = [med(cold[i]) / med(warm[i]) for i in range(len(ids))]
+token_ratio = min(len(p) / f for p, f in zip(ids[1:], fresh[1:]))
+below = ("well below" if max(ratios[1:]) < token_ratio / 2 else
+         "below" if max(ratios[1:]) < token_ratio else "not below")
+display(Markdown(
+    f"Request 1 finds nothing in the cache, and its two medians differ by "
+    f"{abs(ratios[0] - 1):.0%}: the same work, timed twice. The others reuse the system prompt's "
+    f"{min(cached[1:]) // 16} full blocks and compute only the {min(fresh[1:])}–{max(fresh[1:])} "
+    f"tokens after them, so their first token costs {min(ratios[1:]):.1f}–{max(ratios[1:]):.1f}× "
+    f"less. That is {below} the ratio of the tokens computed (at least {token_ratio:.0f}× fewer): "
+    "a forward pass reads every weight once (about 540 MB in float32) however few tokens it "
+    "computes, and with a dozen tokens it sits in notebook 02's memory-bound corner, where the "
+    "weight reads, not the tokens, set the time."))
 
 # %% [markdown]
 # ## Play: the block size
 #
 # Small blocks waste less memory (at most `block_size − 1` slots per sequence); large blocks mean
-# fewer table entries and longer contiguous reads for the kernel. The left panel is the waste
-# simulation; the right one the cost of one decode attention (batch 8, 1024 tokens each,
-# SmolLM2's heads) with the PyTorch `paged` backend on this machine: the CPU time of one thread
-# as above, median of 5 runs after a warm-up, whiskers min–max.
+# fewer table entries and fewer, longer reads. The left panel is the waste simulation. The right
+# one times one decode attention (batch 8, 1024 tokens each, SmolLM2's heads) that walks the
+# block table one block per step as the `paged_triton` kernel does, in PyTorch
+# (`paged_attention_blocks`, your Exercise 5); for comparison the cell also times `paged_sdpa`,
+# which copies all of a sequence's blocks out with one `index_select` and then calls fused
+# attention once. CPU time of one thread as above, median of 5 runs after a warm-up, whiskers
+# min–max.
 
 # %%
+from llmlab.attention.paged import paged_attention_sdpa
 from llmlab.bench.paged import paged_decode_inputs
 
 from llmlab.kernels import report as R
@@ -512,29 +640,38 @@ shape = dict(batch=4, context=256) if QUICK else dict(batch=8, context=1024)
 threads = torch.get_num_threads()
 torch.set_num_threads(1)              # all the work on this thread, so thread_time sees it
 try:
-    runs = {}
+    TIMED_ON = device_name().replace(" 1 threads", " 1 thread")
+    walk, copy = {}, {}
     for s in (4, 8, 16, 32, 64, 128, 256):
         args = paged_decode_inputs(s, **shape)         # made once, outside the timing
-        runs[s] = thread_cpu_ms(lambda: paged_attention_reference(*args))
+        walk[s] = thread_cpu_ms(lambda: paged_attention_blocks(*args))
+        copy[s] = thread_cpu_ms(lambda: paged_attention_sdpa(*args))
 finally:
     torch.set_num_threads(threads)
-cost_ms = {s: sorted(r)[len(r) // 2] for s, r in runs.items()}
-spread_ms = {s: (min(r), max(r)) for s, r in runs.items()}
-YLABEL = "CPU ms per decode attention"
-fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, DEVICE, spread_ms, YLABEL)
-print(f"slowest / fastest median over block sizes 4..256: "
-      f"{max(cost_ms.values()) / min(cost_ms.values()):.2f}×")
-
-# %% [markdown]
-# The right panel is nearly flat (the printed ratio), and on this path it should be: the `paged` backend
-# first *gathers* the sequence's K/V through its block table into one contiguous tensor (a single
-# indexing operation over all 1024 tokens), then runs ordinary attention. It copies the same bytes
-# whatever the block size, and the table it reads has at most 1024 entries against
-# 8 × 1024 × 3 × 64 × 2 values, so the block size cannot show. The trade-off lives in a GPU
-# kernel such as `paged_triton`, which loads one block per step of its loop, straight from the
-# pool: tiny blocks mean short loads and many loop steps, large blocks waste the tail. Kwon et
-# al. report that trade-off between GPU parallelism and fragmentation and settle on 16 tokens per
-# block by default; `python -m llmlab.bench paged --gpu` times the kernel on a GPU.
+cost_ms = {s: med(r) for s, r in walk.items()}
+spread_ms = {s: (min(r), max(r)) for s, r in walk.items()}
+sdpa_ms = {s: med(r) for s, r in copy.items()}
+YLABEL = "CPU ms, block-by-block read"
+fig = pviz.plot_block_size_tradeoff(16, sweep, cost_ms, TIMED_ON, spread_ms, YLABEL)
+print("block size:        " + " ".join(f"{s:6d}" for s in cost_ms))
+print("block by block ms: " + " ".join(f"{t:6.1f}" for t in cost_ms.values()))
+print("paged_sdpa ms:     " + " ".join(f"{t:6.1f}" for t in sdpa_ms.values()))
+steps = {s: shape["context"] // s for s in cost_ms}
+fall = cost_ms[4] / cost_ms[256]
+spread = max(sdpa_ms.values()) / min(sdpa_ms.values())
+assert cost_ms[4] > 2 * cost_ms[32] > 2 * cost_ms[256], "the block walk falls with block size"
+display(Markdown(
+    f"Walking the table costs {cost_ms[4]:.0f} ms at blocks of 4 and {cost_ms[256]:.1f} ms at "
+    f"256, {fall:.0f}× less. The keys and values read are the same bytes at every size; what "
+    f"changes is the number of steps, {steps[4]} per sequence at blocks of 4 against "
+    f"{steps[256]} at 256, and every step pays a fixed cost (here Python and one launch per "
+    "operator; in a GPU kernel, a table lookup and a separate load of a small piece of memory). "
+    f"Copying whole blocks first (`paged_sdpa`) pays that cost once per call: it takes "
+    f"{min(sdpa_ms.values()):.1f}–{max(sdpa_ms.values()):.1f} ms at every block size "
+    f"({spread:.1f}× between its slowest and fastest), at the price of a copy of every "
+    "sequence's K and V. Kwon et al. report the same trade-off on a GPU, between parallelism "
+    "within a block and the waste of large blocks, and settle on 16 tokens per block by "
+    "default; `python -m llmlab.bench paged --gpu` times the Triton kernel on a GPU."))
 
 # %% [markdown]
 # ### What the compiler makes of `paged_triton` at each block size (compiled for H100, not run)
@@ -577,40 +714,18 @@ print(f"registers/thread over block sizes {sizes[0]}..{sizes[-1]}: {min(regs)} t
 
 # %%
 widgets.interactive(lambda block_size, chip: pviz.plot_block_size_tradeoff(
-                        block_size, sweep, cost_ms, DEVICE, spread_ms, YLABEL, chip=chip),
+                        block_size, sweep, cost_ms, TIMED_ON, spread_ms, YLABEL, chip=chip),
                     block_size=widgets.SelectionSlider(options=list(sizes), value=16),
                     chip=["H100", "A100"])
 
 # %% [markdown]
-# ## Stretch (build): the paged kernel's block loop
-#
-# `paged_triton` does not gather. Each program takes one sequence and walks its block table: load
-# block `table[i]`, score the query against the keys in it, and fold them into a running softmax,
-# the online softmax of notebook 03. Write that loop in PyTorch for decode:
-# `paged_decode(q, k_cache, v_cache, cache_seqlens, block_table)` with `q` `[batch, heads,
-# head_dim]`, the pools `[num_blocks, block_size, kv_heads, head_dim]`, and the output `[batch,
-# heads, head_dim]`. Query head h reads KV head h // (heads // kv_heads); scale by 1/√head_dim;
-# only the first `cache_seqlens[b]` tokens of sequence b count. Never build the whole sequence's
-# K: one block at a time.
-
-# %%
-def paged_decode(q, k_cache, v_cache, cache_seqlens, block_table):
-    # YOUR CODE HERE
-    raise NotImplementedError
-
-
-exercises.check("nb04.paged_block_loop", paged_decode)
-
-# %% [markdown]
-# Compare with llmlab's: `llmlab.kernels.paged_attn` is that loop as a Triton kernel, with the
-# query heads that share a KV head processed together in one tile.
-#
 # ## Takeaways
 #
-# * Reserving each request's maximum length leaves most KV memory unused (here 72% waste at a
-#   1024-token cap, worse as the cap grows); paging with 16-token blocks wastes about 2%.
+# * Reserving each request's maximum length leaves most KV memory unused (bar (a)), and more as
+#   the cap grows; paging with 16-token blocks leaves only the unfilled tail of each last block.
 # * A block table plus reference counts gives sharing for free: forks and common prefixes share
-#   blocks, and copy-on-write copies only the partly filled last block.
+#   blocks, and copy-on-write copies only the partly filled last block. Attention reads the
+#   blocks where they lie, one block per step with an online softmax, so nothing is gathered.
 # * The saved memory becomes a larger batch, which is where the throughput comes from, paid for
 #   with preemptions (recompute) when the pool is overcommitted.
 #
@@ -618,7 +733,8 @@ exercises.check("nb04.paged_block_loop", paged_decode)
 #
 # - Kwon, Li, Zhuang, Sheng, Zheng, Yu, Gonzalez, Zhang, Stoica. *Efficient Memory Management for Large Language Model Serving with PagedAttention.* SOSP 2023. [arXiv:2309.06180](https://arxiv.org/abs/2309.06180), [doi:10.1145/3600006.3613165](https://doi.org/10.1145/3600006.3613165) (Fig. 1, Fig. 2, the block-size ablation)
 # - Yu, Jeong, Kim, Kim, Chun. *Orca: A Distributed Serving System for Transformer-Based Generative Models.* OSDI 2022. [USENIX](https://www.usenix.org/conference/osdi22/presentation/yu)
-# - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (the online softmax of the stretch exercise)
+# - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (the online softmax of Exercise 5)
+# - Dao, Haziza, Massa, Sizov. *Flash-Decoding for long-context inference.* 2023. [pytorch.org blog](https://pytorch.org/blog/flash-decoding/) (decode attention split over the keys, combined with the same rescaling)
 # - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
 # - NVIDIA H100 product page (bandwidth, memory, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
 # - NVIDIA. *CUDA C++ Programming Guide*: [technical specifications per compute capability](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#features-and-technical-specifications) and [local memory](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-memory-accesses); *CUDA C++ Best Practices Guide*, [occupancy](https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/index.html#occupancy)

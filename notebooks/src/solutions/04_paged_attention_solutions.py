@@ -4,6 +4,10 @@
 # The exercises of notebook 04 with their solutions, each followed by its check.
 
 # %%
+import math
+
+import torch
+
 import llmlab
 from llmlab import exercises
 from llmlab.cache.block_manager import NoFreeBlocksError
@@ -14,17 +18,12 @@ tok = llmlab.load_tokenizer("smollm2-135m")
 # %% [markdown]
 # ### Exercise 1: where does a token live?
 #
-# The logical block is `position // block_size`, the offset inside it `position % block_size`;
-# the table turns the logical block into a physical one, and the pool is flattened block after
-# block.
+# Token 6 is offset 6 % 4 = 2 of logical block 6 // 4 = 1; the table maps logical block 1 to
+# physical block 2, and the pool is flattened block after block: 2 · 4 + 2 = 10.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def slot_of(block_table, position, block_size):
-    return block_table[position // block_size] * block_size + position % block_size
-
-
-exercises.check("nb04.slot_of", slot_of)
+exercises.check("nb04.slot_of", 10)
 
 # %% [markdown]
 # ### Exercise 2: the block allocator
@@ -83,79 +82,108 @@ exercises.check("nb04.block_allocator", MyBlockAllocator, model=model, tokenizer
 exercises.check("nb04.cow_blocks", 5)
 
 # %% [markdown]
-# ### Exercise 4: predict the waste of reserving prompt + 1024
+# ### Exercise 4: the next token's slot, with copy-on-write
 #
-# A request ends with about 161 + 338 ≈ 500 tokens on average and reserves about 161 + 1024 ≈
-# 1,185: it fills about 42% of what it holds by the end, and on average over its life (it grows
-# from 161 to 500) about a quarter. So roughly 70% is waste; the simulation measures 72%.
+# At a block boundary the sequence needs a new block. Inside a block it writes in place, unless
+# the block is shared: then a new block replaces it in this table only, the old one loses one
+# reference (the sibling keeps it), and `(old, new)` tells the cache to copy the K/V already
+# there. The new block is taken before the old one is let go, so a refusal changes nothing.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-exercises.check("nb04.predict_waste", 0.7)
+def append_slot(block_table, num_tokens, allocator, block_size):
+    position = num_tokens
+    offset = position % block_size
+    cow = None
+    if offset == 0:                                   # the last block is full (or none yet)
+        if allocator.num_free < 1:
+            raise NoFreeBlocksError(1, 0, "append")
+        block_table.append(allocator.allocate())
+    else:
+        last = block_table[-1]
+        if allocator.ref_counts[last] > 1:            # shared with another table: copy first
+            if allocator.num_free < 1:
+                raise NoFreeBlocksError(1, 0, "copy-on-write")
+            new = allocator.allocate()
+            allocator.decref(last)                    # one table fewer points at the old block
+            block_table[-1] = new
+            cow = (last, new)
+    block = block_table[position // block_size]
+    return block * block_size + offset, cow
+
+
+exercises.check("nb04.append_slot", append_slot, model=model, tokenizer=tok)
 
 # %% [markdown]
-# ### Exercise 5: wasted slots
+# ### Exercise 5: decode attention through the block table
 #
-# A sequence of n tokens holds ⌈n / block_size⌉ blocks; what it does not fill is wasted.
+# Per sequence, per block of its table: the scores of the filled slots, then the online-softmax
+# update: the new running max, the factor `alpha = exp(m_old − m_new)` that rescales the running
+# sum and the accumulator, and the block's contribution. Query heads are grouped by the KV head
+# they read, so one matmul serves a whole group.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-def wasted_slots(lengths, block_size):
-    return sum(-(-n // block_size) * block_size - n for n in lengths)
-
-
-exercises.check("nb04.wasted_slots", wasted_slots)
-
-# %% [markdown]
-# ### Exercise 6: why paging preempts
-#
-# (a): paging admits a request on its prompt alone and lets it grow; when the pool runs dry the
-# newest sequence is preempted and recomputed. Reserving the cap never runs out mid-generation
-# because it holds, up front, memory that is mostly never written.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-exercises.check("nb04.explain_preemptions", "a")
-
-# %% [markdown]
-# ### Stretch: the paged kernel's block loop
-#
-# Per sequence, per block: the scores of the valid keys, then the online-softmax update: the new
-# running max, the factor `alpha = exp(m_old − m_new)` that rescales the running sum and the
-# accumulator, and the block's contribution.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-import math
-
-import torch
-
-
-def paged_decode(q, k_cache, v_cache, cache_seqlens, block_table):
-    batch, heads, d = q.shape
-    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    out = torch.empty(batch, heads, d)
+def paged_attention(q, k_cache, v_cache, cache_seqlens, block_table, *, softmax_scale=None,
+                    causal=True):
+    batch, _, heads, d = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads                         # query heads per KV head
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros(batch, heads, d, dtype=torch.float32, device=q.device)
     for b in range(batch):
         n = int(cache_seqlens[b])
-        qb = q[b].float().view(kv_heads, group, d)            # query heads grouped by KV head
-        m = torch.full((kv_heads, group), float("-inf"))
-        l = torch.zeros(kv_heads, group)
-        acc = torch.zeros(kv_heads, group, d)
-        for i in range(-(-n // bs)):
+        qb = q[b, 0].float().view(kv_heads, group, d) * scale
+        m = torch.full((kv_heads, group), float("-inf"), device=q.device)   # running max
+        l = torch.zeros(kv_heads, group, device=q.device)                   # running sum
+        acc = torch.zeros(kv_heads, group, d, device=q.device)              # running Σ p·v
+        for i in range(-(-n // block_size)):
             block = int(block_table[b, i])
-            valid = min(bs, n - i * bs)                        # the last block may be partial
-            k = k_cache[block, :valid].float().permute(1, 0, 2)   # [kv_heads, valid, d]
-            v = v_cache[block, :valid].float().permute(1, 0, 2)
-            s = qb @ k.transpose(1, 2) / math.sqrt(d)            # [kv_heads, group, valid]
+            filled = min(block_size, n - i * block_size)   # the last block may be partial
+            k = k_cache[block, :filled].float().transpose(0, 1)     # [kv_heads, filled, d]
+            v = v_cache[block, :filled].float().transpose(0, 1)
+            s = qb @ k.transpose(1, 2)                               # [kv_heads, group, filled]
             m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp(m - m_new)
+            alpha = torch.exp(m - m_new)              # rescales what was summed before
             p = torch.exp(s - m_new[..., None])
             l = l * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + p @ v
             m = m_new
-        out[b] = (acc / l[..., None]).reshape(heads, d)
-    return out.to(q.dtype)
+        if n:
+            out[b] = (acc / l[..., None]).reshape(heads, d)
+    return out[:, None].to(q.dtype)
 
 
-exercises.check("nb04.paged_block_loop", paged_decode)
+exercises.check("nb04.paged_attention", paged_attention, model=model, tokenizer=tok)
+
+# %% [markdown]
+# ### Exercise 6: predict the waste of reserving prompt + 1024
+#
+# Compare what the mean request ends with (prompt + output) with what it reserves
+# (prompt + 1024): their ratio is the share ever written, the rest is waste, and holes between
+# reservations add some more.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from llmlab.exercises.nb04 import measured_max_len_waste, trace_means
+
+prompt, output = trace_means()
+print(f"ends with {prompt:.0f} + {output:.0f} tokens, reserves {prompt:.0f} + 1024: "
+      f"{1 - (prompt + output) / (prompt + 1024):.0%} of it never written; "
+      f"measured waste {measured_max_len_waste():.0%}")
+exercises.check("nb04.predict_waste", 0.7)
+
+# %% [markdown]
+# ### Exercise 7: the unfilled tail
+#
+# 37 tokens hold 3 blocks (48 slots, 11 unfilled), 70 hold 5 (80, 10 unfilled), 16 fill one
+# block exactly (0), 5 hold one block (11 unfilled): 32 slots.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+exercises.check("nb04.wasted_slots", 32)
+
+# %% [markdown]
+# ### Exercise 8: why paging preempts
+
+# %%
+# NBVAL_CHECK_OUTPUT
+exercises.check("nb04.explain_preemptions", "b")
