@@ -157,3 +157,21 @@ def empty_model(config: ModelConfig, attention: str = "naive") -> CausalLM:
     """A :class:`CausalLM` on the meta device, ready for ``load_state_dict(..., assign=True)``."""
     with meta_skeleton():
         return CausalLM(config, attention=attention)
+
+
+def first_layers(model: CausalLM, num_layers: int) -> CausalLM:
+    """A model made of ``model``'s embedding, its first ``num_layers`` decoder layers, its
+    final norm and its head: the same weights, shared, not copied (an early-exit model).
+
+    A whole SmolLM2 decode step takes minutes to compile on a 2-core CPU; its first few
+    layers show the same graph, recompiles and fused kernels in seconds (notebook 11)."""
+    import copy
+    from dataclasses import replace
+
+    if not isinstance(num_layers, int) or not 1 <= num_layers <= len(model.layers):
+        raise ValueError(f"num_layers={num_layers!r} must be an int in 1..{len(model.layers)}")
+    short = copy.copy(model)
+    short._modules = dict(model._modules)          # the copy's own module table
+    short.layers = nn.ModuleList(list(model.layers[:num_layers]))
+    short.config = replace(model.config, num_layers=num_layers)
+    return short

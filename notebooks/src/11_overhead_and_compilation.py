@@ -215,26 +215,35 @@ print(exercises.check("nb11.fixed_shape_attend", fixed_shape_attend))
 # heads that share a KV head into extra query rows instead of copying K and V per head.
 
 # %% [markdown]
-# ## Compile the whole decode step
+# ## Compile the decode step
 #
 # `llmlab.generate(..., compile=True)` runs the prompt eagerly, then every decode step through
 # one graph compiled over a `StaticKVCache` (vLLM's `enforce_eager=False`). The first call of a
 # batch size compiles: that wait is the *cold start* that vLLM's users often report. Inductor
 # keeps what it built on disk, so a second process with the same model and shapes skips most of
 # it. `graphs_compiled()` counts the graphs compiled in this process.
+#
+# Compiling all 30 layers of SmolLM2 takes minutes on a 2-core CPU, so this section compiles a
+# model made of SmolLM2's embedding, its **first 6 layers** and its head (`first_layers`: the
+# same weights, shared). Its graph, its recompiles and its fused kernels are those of the whole
+# model, six times shorter; `python -m llmlab.bench overhead` compiles the whole model.
 
 # %%
-from llmlab.compile import compiled_step, graphs_compiled
+from llmlab.compile import graphs_compiled
+from llmlab.models import first_layers
 
+short = first_layers(model, 6)
 prompt = "Give three tips for writing clear code."
 before = graphs_compiled()
-eager_gen = llmlab.generate(model, tok, prompt, max_new_tokens=48, kv_cache="contiguous")
+eager_gen = llmlab.generate(short, tok, prompt, max_new_tokens=48, kv_cache="contiguous",
+                            ignore_eos=True)
 t0 = time.perf_counter()
-compiled_gen = llmlab.generate(model, tok, prompt, max_new_tokens=48, compile=True)
+compiled_gen = llmlab.generate(short, tok, prompt, max_new_tokens=48, compile=True,
+                               ignore_eos=True)
 first_call_s = time.perf_counter() - t0
 after_first = graphs_compiled()
 t0 = time.perf_counter()
-again = llmlab.generate(model, tok, prompt, max_new_tokens=48, compile=True)
+again = llmlab.generate(short, tok, prompt, max_new_tokens=48, compile=True, ignore_eos=True)
 second_call_s = time.perf_counter() - t0
 same = eager_gen.token_ids == compiled_gen.token_ids == again.token_ids
 print(f"greedy tokens identical to eager: {same} ({len(eager_gen.token_ids)} tokens)")
@@ -244,22 +253,25 @@ print(f"graphs compiled by the first call: {after_first - before}; by the second
       f"{graphs_compiled() - after_first}")
 
 # %% [markdown]
-# Now the same decode step as above, compiled. `make_decode_step(..., compile=True)` runs the
-# step `generate` just compiled (same batch and bucket of slots, so the graph is reused), and
-# `count_ops` sees what still crosses the dispatcher: the matmuls, which Inductor leaves to
-# PyTorch's BLAS, and a few allocations. The fused loops it generated are called directly.
+# Now one decode step of the short model, eager and compiled. `make_decode_step(...,
+# compile=True)` runs the step `generate` just compiled (same batch and bucket of slots, so the
+# graph is reused), and `count_ops` sees what still crosses the dispatcher: the matmuls, which
+# Inductor leaves to PyTorch's BLAS, and a few allocations. The fused loops it generated are
+# called directly.
 
 # %%
-compiled_step_fn = make_decode_step(model, batch=1, context=32, steps=200, compile=True)
+short_eager = {b: step_breakdown(make_decode_step(short, batch=b, context=32), repeats=7)
+               for b in (1, 8)}
+compiled_step_fn = make_decode_step(short, batch=1, context=32, steps=200, compile=True)
 compiled_step_fn()
 new_graphs = graphs_compiled() - after_first
-compiled_ops = count_ops(compiled_step_fn)
 compiled_br = step_breakdown(compiled_step_fn, repeats=7)
+e1 = short_eager[1]
 print(f"new graphs for this step: {new_graphs}")
-print(f"compiled step: {compiled_ops.total} operator calls ({ops.total / compiled_ops.total:.1f}× "
-      f"fewer than eager's {ops.total}); {compiled_br.median_s * 1e3:.1f} ms per step "
-      f"({compiled_br.min_s * 1e3:.1f}–{compiled_br.max_s * 1e3:.1f}), of which "
-      f"{compiled_br.outside_s * 1e3:.1f} ms outside the matmuls")
+for label, br in (("eager", e1), ("compiled", compiled_br)):
+    print(f"{label:9s} {br.ops.total:4d} operator calls, {br.median_s * 1e3:5.1f} ms per step "
+          f"({br.min_s * 1e3:.1f}–{br.max_s * 1e3:.1f}), {br.outside_s * 1e3:4.1f} ms outside "
+          "the matmuls")
 
 # %% [markdown]
 # ## Measure: eager and compiled on the overhead roofline
@@ -274,36 +286,31 @@ ceil = measure_ceilings(copy_bytes=128 * 2**20, matmul_n=1024, repeats=5)
 omodel = OverheadModel.from_ceilings(ceil, t_op)
 
 
-def point(label, m, batch, br):
-    cost = decode_cost(m.config, batch, 32, 4)
-    extra = weight_nbytes(m) - weight_nbytes(model)       # int8 weights: fewer bytes
-    return OverheadPoint(label, batch, br.ops.total, cost.bytes + extra, cost.flops,
+def point(label, batch, br):
+    cost = decode_cost(short.config, batch, 32, 4)
+    return OverheadPoint(label, batch, br.ops.total, cost.bytes, cost.flops,
                          br.median_s, br.min_s, br.max_s)
 
 
-points = [point("fp32 eager", model, 1, breakdowns["float32, batch 1"]),
-          point("fp32 compiled", model, 1, compiled_br),
-          point("int8 eager", int8, 1, breakdowns["int8, batch 1"]),
-          point("fp32 eager", model, 8, breakdowns["float32, batch 8"]),
-          point("int8 eager", int8, 8, breakdowns["int8, batch 8"])]
+points = [point("eager", 1, short_eager[1]), point("compiled", 1, compiled_br),
+          point("eager", 8, short_eager[8])]
 print(f"copy bandwidth {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
       f"matmul peak {ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, t_op {t_op * 1e6:.2f} µs")
-plot_overhead_roofline(points, omodel)
+plot_overhead_roofline(points, omodel, title="SmolLM2's first 6 layers: eager and compiled")
 plt.show()
 
 # %%
-e1 = points[0]
-c1 = points[1]
-roof1 = omodel.roof_seconds(e1.bytes, e1.flops)
+pe, pc = points[0], points[1]
+roof1 = omodel.roof_seconds(pe.bytes, pe.flops)
 display(Markdown(
-    f"At batch 1 in float32 the roof alone is {roof1 * 1e3:.1f} ms; eager measured "
-    f"{e1.median_s * 1e3:.1f} ms ({roof1 / e1.median_s:.0%} of the memory roof) and the "
-    f"compiled step {c1.median_s * 1e3:.1f} ms ({roof1 / c1.median_s:.0%}). Compiling removed "
-    f"{e1.ops - c1.ops} operator calls, which the model prices at "
-    f"{(e1.ops - c1.ops) * t_op * 1e3:.1f} ms; the step changed by "
-    f"{(e1.median_s - c1.median_s) * 1e3:+.1f} ms. "
-    + ("The float32 step is dominated by streaming its weights through the matmuls, which a "
-       "compiler does not shorten." if f32.outside_share < 0.3 else
+    f"At batch 1 the roof alone is {roof1 * 1e3:.1f} ms; eager measured "
+    f"{pe.median_s * 1e3:.1f} ms ({roof1 / pe.median_s:.0%} of the memory roof) and the "
+    f"compiled step {pc.median_s * 1e3:.1f} ms ({roof1 / pc.median_s:.0%}). Compiling removed "
+    f"{pe.ops - pc.ops} of {pe.ops} operator calls ({pe.ops / pc.ops:.1f}× fewer), which the "
+    f"model prices at {(pe.ops - pc.ops) * t_op * 1e3:.1f} ms; the step changed by "
+    f"{(pc.median_s - pe.median_s) * 1e3:+.1f} ms. "
+    + ("Most of this float32 step is the weights streaming through the matmuls, which a "
+       "compiler does not shorten." if e1.outside_share < 0.3 else
        "The calls were a large part of this step, and compiling removed most of them.")))
 
 # %% [markdown]
@@ -347,10 +354,11 @@ from llmlab.layers.fused import fuse_model
 
 fused = fuse_model(copy.deepcopy(model), "torch")
 fused_ops = count_ops(make_decode_step(fused, batch=1, context=32))
+full_eager_gen = llmlab.generate(model, tok, prompt, max_new_tokens=48, kv_cache="contiguous")
 print(f"eager, unfused: {ops.total} calls ({ops.matmul_calls} matmuls); eager, fused: "
       f"{fused_ops.total} calls ({fused_ops.matmul_calls} matmuls)")
 gen_fused = llmlab.generate(fused, tok, prompt, max_new_tokens=48, kv_cache="contiguous")
-print("fused greedy tokens identical to unfused:", gen_fused.token_ids == eager_gen.token_ids)
+print("fused greedy tokens identical to unfused:", gen_fused.token_ids == full_eager_gen.token_ids)
 
 # %% [markdown]
 # ### Stretch: RMSNorm with the residual add, in Triton
