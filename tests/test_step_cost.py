@@ -43,3 +43,11 @@ def test_prompt_token_cost_is_the_median_extra_per_token():
     assert prompt_token_cost([_stats(steps)], decode) == pytest.approx(0.5)
     assert prompt_token_cost([_stats([(30.0, 1, 0)])], decode) != prompt_token_cost(
         [_stats([(30.0, 1, 0)])], decode)           # NaN: no prompt step
+
+
+def test_prompt_token_cost_can_take_its_baseline_from_the_same_runs():
+    steps = [(40.0, 1, 0), (44.0, 2, 0), (40.0, 1, 0), (40.0 + 0.5 * 64, 1, 64),
+             (44.0 + 0.5 * 100, 2, 100), (40.0 + 0.5 * 222, 0, 222)]
+    assert prompt_token_cost([_stats(steps)]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no pure decode"):
+        prompt_token_cost([_stats([(70.0, 1, 64)])])

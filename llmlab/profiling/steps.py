@@ -74,19 +74,31 @@ def fit_step_cost(stats_list: Iterable) -> StepCost:
     return StepCost(float(coef[0]), per_row, per_prompt, len(ms), rms)
 
 
-def prompt_token_cost(stats_list: Iterable, decode: StepCost) -> float:
+def prompt_token_cost(stats_list: Iterable, decode: StepCost | None = None) -> float:
     """What one prompt token adds to a step, in ms: over the steps that fed prompt tokens,
-    the median of (step time − ``decode``'s fixed and per-row cost) / prompt tokens.
+    the median of (step time − the decode cost of the step's rows) / prompt tokens.
 
-    ``decode`` is a fit over many steps (:func:`fit_step_cost`); the median keeps a few
-    steps slowed by other processes from moving the answer. NaN when no step fed a prompt.
+    The decode cost of r rows is ``decode.predict_ms(r)`` when a fit is given; else the
+    median time of the same runs' pure decode steps with r rows (the nearest row count
+    there is; a step with no decode rows still pays a one-row step's fixed cost), so the
+    baseline comes from the same minutes of the same machine. The median keeps a few steps
+    slowed by other processes from moving the answer. NaN when no step fed a prompt token.
     """
     ms, rows, prompt = step_arrays(stats_list)
     has = prompt > 0
     if not has.any():
         return float("nan")
-    extra = ms[has] - decode.fixed_ms - decode.per_row_ms * rows[has]
-    return float(np.median(extra / prompt[has]))
+    if decode is not None:
+        base = decode.fixed_ms + decode.per_row_ms * rows[has]
+    else:
+        pure = ~has
+        if not pure.any():
+            raise ValueError("no pure decode step to take the decode cost from; pass a fit")
+        counts = np.unique(rows[pure])
+        medians = {c: float(np.median(ms[pure & (rows == c)])) for c in counts}
+        base = np.array([medians[counts[np.argmin(np.abs(counts - max(r, 1)))]]
+                         for r in rows[has]])
+    return float(np.median((ms[has] - base) / prompt[has]))
 
 
 __all__ = ["StepCost", "fit_step_cost", "prompt_token_cost", "step_arrays"]

@@ -227,8 +227,8 @@ for policy in ("continuous", "static"):
 #
 # Continuous batching refills decode seats, so it is measured where decoding is the work: requests
 # with short prompts and long answers, as in a chat. From the trace, the first requests with prompts
-# of at most 40 tokens, each generating half its trace length (the spread of the lengths, which is
-# what static batching pays for, is kept), all arriving at t = 0, greedy, EOS ignored as serving
+# of at most 40 tokens, each generating 40% of its trace length (the spread of the lengths, which
+# is what static batching pays for, is kept), all arriving at t = 0, greedy, EOS ignored as serving
 # benchmarks do, on SmolLM2-135M, three ways:
 #
 # 1. HF transformers `generate` in padded static batches (left padding, `max_new_tokens` = the
@@ -246,12 +246,12 @@ from transformers.utils import logging as hf_logging
 
 from llmlab.bench.serve import run_hf, run_llmlab
 from llmlab.profiling.metrics import summarize
-from llmlab.profiling.steps import fit_step_cost, step_arrays
+from llmlab.profiling.steps import fit_step_cost, prompt_token_cost, step_arrays
 from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
 N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (12, 6, 5)
-short = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.5)
+short = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.4)
          if len(r.prompt_token_ids) <= 40]
 part, warm = short[:N], [r for r in load_trace(TRACE, tokenizer=tok, max_output=4)][:SEATS]
 hf = AutoModelForCausalLM.from_pretrained(str(model_dir("smollm2-135m")), dtype=torch.float32).eval()
@@ -366,7 +366,7 @@ assert row_vs_step < 0.5, "a decoding row cost half a step or more: the takeaway
 from llmlab.viz.serving import plot_step_times
 
 BUDGET = 64
-long_part = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.5)
+long_part = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.25)
              if len(r.prompt_token_ids) >= 100][:3 if QUICK else 4]
 chunk_args = dict(max_num_seqs=2, num_blocks=128, enable_prefix_caching=False)
 chunkers = {"continuous": LLM(model, tok, **chunk_args),
@@ -375,37 +375,38 @@ chunkers = {"continuous": LLM(model, tok, **chunk_args),
                     **chunk_args)}
 for e in chunkers.values():          # warm-up
     run_llmlab(e, warm[:2])
-chunk_rounds = {k: [run_llmlab(e, long_part) for _ in range(ROUNDS)] for k, e in chunkers.items()}
+chunk_rounds = {k: [] for k in chunkers}
+for _ in range(ROUNDS):              # interleaved, like the rounds above
+    for k, e in chunkers.items():
+        chunk_rounds[k].append(run_llmlab(e, long_part))
 WHOLE, CHUNKED = chunkers
 print(f"{len(long_part)} requests: prompts {[len(r.prompt_token_ids) for r in long_part]} tokens, "
       f"outputs {[r.output_tokens for r in long_part]}")
-chunk_cost = {}
+per_token = {}
 for name, runs in chunk_rounds.items():
     sums = [summarize(r["metrics"], r["wall_s"]) for r in runs]
     pick = lambda key: sorted(s[key] for s in sums)[ROUNDS // 2]
     biggest = max(st.prefill_tokens + st.decode_tokens for st in runs[-1]["stats"].steps)
-    chunk_cost[name] = fit_step_cost(r["stats"] for r in runs)
+    per_token[name] = prompt_token_cost(r["stats"] for r in runs)
     print(f"{name:34s} {pick('tokens_per_s'):5.1f} tok/s   TPOT p90 {pick('tpot_p90_s') * 1e3:4.0f} ms"
           f"   TTFT mean {pick('ttft_mean_s'):5.2f} s   largest step {biggest:3d} tokens   "
-          f"(medians of {ROUNDS} rounds)")
+          f"a prompt token adds {per_token[name]:.2f} ms to its step   (medians of {ROUNDS} rounds)")
 print("same tokens as without chunks:", chunk_rounds[CHUNKED][-1]["tokens"] == chunk_rounds[WHOLE][-1]["tokens"])
-for name, c in chunk_cost.items():
-    print(f"{name:34s} step ≈ {c.fixed_ms:5.1f} ms + {c.per_row_ms:4.2f} ms per decoding row + "
-          f"{c.per_prompt_token_ms:4.2f} ms per prompt token ({c.num_steps} steps)")
-per_token = {k: c.per_prompt_token_ms for k, c in chunk_cost.items()}
 fig = plot_step_times({"continuous": chunk_rounds[WHOLE][-1]["stats"],
                        f"chunked, {BUDGET} tokens/step": chunk_rounds[CHUNKED][-1]["stats"]},
                       title=f"SmolLM2-135M, {len(long_part)} long prompts, 2 seats, last round "
                             f"({device_name()})")
-chunk_step = chunk_cost[CHUNKED].predict_ms(1, BUDGET - 1)
+chunk_step = cost.predict_ms(1) + (BUDGET - 1) * per_token[CHUNKED]
 display(Markdown(
     f"With chunks no step feeds more than {BUDGET} tokens, so no decoding request waits for a "
-    f"whole long prompt. But a prompt token costs {per_token[CHUNKED]:.2f} ms in a chunk and "
-    f"{per_token[WHOLE]:.2f} ms in a whole-prompt step: chunking "
+    f"whole long prompt. But a prompt token adds {per_token[CHUNKED]:.2f} ms to a chunk step and "
+    f"{per_token[WHOLE]:.2f} ms to a whole-prompt step (each step's time less that of a pure "
+    "decode step of as many rows in the same runs, median over the steps that fed prompt "
+    "tokens): chunking "
     f"{'makes it no cheaper' if per_token[CHUNKED] >= 0.8 * per_token[WHOLE] else 'made it cheaper here'}. "
     f"A step of one decode and a {BUDGET - 1}-token chunk costs about {chunk_step:.0f} ms, "
-    f"{chunk_step / chunk_cost[CHUNKED].predict_ms(1):.1f}× a pure one-row decode step, and more "
-    "steps now carry a share of the prompt."))
+    f"{chunk_step / cost.predict_ms(1):.1f}× a pure one-row decode step, and more steps now "
+    "carry a share of the prompt."))
 assert per_token[CHUNKED] >= 0.8 * per_token[WHOLE], "a chunked prompt token came out cheaper"
 
 # %% [markdown]
