@@ -120,6 +120,11 @@ print(f"one token reads the {weight_mb:.0f} MB of float32 weights: "
 if torch.get_num_threads() < cores:
     print(f"(torch was limited to {torch.get_num_threads()} threads here, e.g. by OMP_NUM_THREADS; "
           f"with all {cores} cores the weights stream faster and TPOT is lower)")
+load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+if load > cores:
+    print(f"(the machine's load average was {load:.1f} on {cores} cores: other processes were "
+          "running, and each step's threads waited for them, so these times are far from this "
+          "machine's own; run the cell again when it is quiet)")
 
 # %% [markdown]
 # ## Swapping one component
