@@ -65,21 +65,6 @@ def reference_fixed_shape_attend(k_cache, v_cache, slots, q, k, v):
     return out.transpose(1, 2)
 
 
-def _reads_the_bin(k_cache, v_cache, slots, q, k, v):
-    b, s, h, d = q.shape
-    where = slots[:, None, :, None].expand(b, k_cache.shape[1], s, d)
-    k_cache.scatter_(2, where, k.transpose(1, 2))
-    v_cache.scatter_(2, where, v.transpose(1, 2))
-    slot_ids = torch.arange(k_cache.shape[2])
-    visible = slot_ids <= slots[..., None]                   # forgets that the bin is garbage
-    groups = h // k_cache.shape[1]
-    keys = k_cache.repeat_interleave(groups, dim=1)
-    values = v_cache.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                         attn_mask=visible[:, None])
-    return out.transpose(1, 2)
-
-
 def _cannot_see_itself(k_cache, v_cache, slots, q, k, v):
     b, s, h, d = q.shape
     where = slots[:, None, :, None].expand(b, k_cache.shape[1], s, d)
@@ -291,7 +276,6 @@ class _nothing:
           title="build: a static cache's write and read in fixed shapes",
           solution=reference_fixed_shape_attend,
           wrong_variants={
-              "reads the bin": (_reads_the_bin, ("differs", "bin")),
               "cannot see itself": (_cannot_see_itself, ("differs", "own position")),
               "writes a copy": (_writes_a_copy, ("in place",)),
               "Python length": (_slices_by_length, ("one graph",)),

@@ -353,7 +353,7 @@ for s in ("dense", "grouped"):
 # growing much faster with the experts than grouped
 one = token_rows[0]
 assert median_of(one, "dense ms") > 1.5 * median_of(one, "grouped ms")
-assert all(0.7 < median_of(r, "loop ms") / median_of(r, "grouped ms") < 1.4 for r in token_rows)
+assert all(0.5 < median_of(r, "loop ms") / median_of(r, "grouped ms") < 2.0 for r in token_rows)
 assert growth["dense"] > 2 * growth["grouped"]
 
 # %% [markdown]
