@@ -33,6 +33,12 @@ The pool itself is a :class:`BlockAllocator`; ``BlockManager(..., allocator=obj)
 takes any object with the same interface instead (see :class:`BlockManager`), so a
 hand-written allocator can be dropped in under the same block tables.
 
+``prefix_cache`` chooses the prefix cache: ``"hash"`` (the full-block hashes above, the
+default), ``"radix"`` (a token-level radix tree over the same pool, with partial-block
+matches that copy on write and LRU eviction of unlocked leaves:
+:mod:`llmlab.cache.radix`, notebook 13) or None. ``enable_prefix_caching=False`` is the
+older spelling of ``prefix_cache=None``.
+
 Taught in notebook 04 (PagedAttention).
 """
 from __future__ import annotations
@@ -40,6 +46,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
+
+from .radix import RadixCache, RadixNode
+
+PREFIX_CACHES = ("hash", "radix", None)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -201,6 +211,21 @@ _ALLOCATOR_METHODS = ("allocate", "incref", "decref", "num_free", "ref_counts")
 _PREFIX_CACHE_METHODS = ("lookup", "register", "is_evictable")
 
 
+def resolve_prefix_cache(prefix_cache, enable_prefix_caching: bool = True):
+    """``prefix_cache`` ("hash", "radix", None, or a factory ``(allocator, block_size) ->
+    RadixCache``) with the older ``enable_prefix_caching`` switch applied: False turns the
+    default "hash" into None, and contradicts any other cache (ValueError)."""
+    if not (prefix_cache in PREFIX_CACHES or callable(prefix_cache)):
+        raise ValueError(f"prefix_cache={prefix_cache!r}; allowed: {list(PREFIX_CACHES)} or a "
+                         "function (allocator, block_size) -> RadixCache")
+    if not enable_prefix_caching:
+        if prefix_cache not in ("hash", None):
+            raise ValueError(f"enable_prefix_caching=False contradicts prefix_cache="
+                             f"{prefix_cache!r}; pass prefix_cache=None alone")
+        return None
+    return prefix_cache
+
+
 def _check_allocator(allocator, num_blocks: int, enable_prefix_caching: bool) -> None:
     """A replacement allocator must offer what :class:`BlockManager` calls."""
     missing = [m for m in _ALLOCATOR_METHODS if not hasattr(allocator, m)]
@@ -222,6 +247,8 @@ class _SeqState:
     num_tokens: int = 0
     tokens: list[int | None] = field(default_factory=list)   # None: token id not known
     hashes: list[int] = field(default_factory=list)          # hashes of the full blocks
+    node: RadixNode | None = None      # radix: the deepest tree node it holds locked
+    computed: int = 0                  # tokens whose K/V are written (mark_computed)
 
 
 @dataclass
@@ -269,30 +296,47 @@ class BlockManager:
     ``append_slot(block_table, num_tokens, allocator, block_size) -> (slot, cow)`` with the
     sequence's own table (see :func:`append_to_table`, the default); the manager checks
     first that a block it may need is free, and keeps the token count.
+
+    ``prefix_cache``: ``"hash"``, ``"radix"``, None, or a function ``(allocator,
+    block_size) -> RadixCache`` (a radix tree with other ``match`` / ``insert``, notebook
+    13). With ``"radix"``, ``allocate`` may queue block copies (a match that ends inside a
+    block): the caller takes them with :meth:`take_copies` and copies before the forward.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 allocator=None, append_slot: Callable | None = None):
+                 allocator=None, append_slot: Callable | None = None,
+                 prefix_cache: str | Callable | None = "hash"):
         if append_slot is not None and not callable(append_slot):
             raise ValueError(f"append_slot must be a function (block_table, num_tokens, "
                              f"allocator, block_size) -> (slot, cow); got "
                              f"{type(append_slot).__name__}")
         self._append = append_to_table if append_slot is None else append_slot
+        prefix_cache = resolve_prefix_cache(prefix_cache, enable_prefix_caching)
         if allocator is None:
             allocator = BlockAllocator(num_blocks, block_size)
         else:
             _check_block_size(block_size)
-            _check_allocator(allocator, num_blocks, enable_prefix_caching)
+            _check_allocator(allocator, num_blocks, prefix_cache == "hash")
         self.allocator = allocator
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.enable_prefix_caching = enable_prefix_caching
+        self.radix: RadixCache | None = None
+        if prefix_cache is not None and prefix_cache != "hash":
+            self.radix = (RadixCache(allocator, block_size) if prefix_cache == "radix"
+                          else prefix_cache(allocator, block_size))
+            prefix_cache = "radix"
+        self.prefix_cache = prefix_cache
+        self.enable_prefix_caching = prefix_cache is not None
         self.stats = PrefixCacheStats()
         self._seqs: dict[Hashable, _SeqState] = {}
+        self._copies: list[tuple[int, int]] = []
 
     # -- queries -------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (radix: blocks only unlocked nodes hold count)."""
+        if self.radix is not None:
+            return self.allocator.num_free + self.radix.evictable_blocks()
         return self.allocator.num_free
 
     @property
@@ -340,9 +384,10 @@ class BlockManager:
         """Cached blocks (and their hashes) for the longest cached prefix of ``tokens``.
 
         Only full blocks strictly before the block holding the last token can match,
-        because the last prompt token must be recomputed to get its logits.
+        because the last prompt token must be recomputed to get its logits. (The hash
+        cache; the radix cache matches with :meth:`cached_prefix_length`.)
         """
-        if not self.enable_prefix_caching:
+        if self.prefix_cache != "hash":
             return [], []
         bs, parent = self.block_size, None
         blocks, hashes = [], []
@@ -357,14 +402,59 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
+    def cached_prefix_length(self, prompt_tokens: Sequence[int]) -> int:
+        """How many leading tokens of this prompt ``allocate`` would take from the cache
+        now (never the last one); changes nothing."""
+        if self.radix is not None:
+            return self.radix.longest_prefix(list(prompt_tokens)[:-1])
+        return len(self.match_prefix(prompt_tokens)[0]) * self.block_size
+
     def num_blocks_to_allocate(self, prompt_tokens: Sequence[int]) -> int:
         """Free blocks ``allocate`` would consume (cache hits on unreferenced blocks count)."""
+        if self.radix is not None:
+            return self._radix_route(prompt_tokens)[1]
         hits, _ = self.match_prefix(prompt_tokens)
         fresh = self._blocks_for(len(prompt_tokens)) - len(hits)
         return fresh + sum(1 for b in hits if self.allocator.is_evictable(b))
 
     def can_allocate(self, prompt_tokens: Sequence[int]) -> bool:
+        if self.radix is not None:
+            return self._radix_route(prompt_tokens)[0] is not None
         return self.num_blocks_to_allocate(prompt_tokens) <= self.num_free_blocks
+
+    def _radix_route(self, tokens: Sequence[int]) -> tuple[bool | None, int]:
+        """Radix: (use the match?, blocks it takes from the free count); (None, blocks
+        needed without a match) when neither fits. The match's nodes are locked before
+        anything is evicted, so they count as kept; when that leaves too few blocks the
+        prompt is taken without its match (as the hash cache would evict its hits)."""
+        tokens = list(tokens)
+        total = self._blocks_for(len(tokens))
+        m = self.radix.longest_prefix(tokens[:-1])
+        free = self.allocator.num_free
+        if m:
+            kept = self._probe_path(tokens[:m])
+            fresh = total - m // self.block_size
+            if fresh <= free + self.radix.evictable_blocks(kept):
+                return True, self.num_free_blocks - (free + self.radix.evictable_blocks(kept)) \
+                    + fresh
+        if total <= free + self.radix.evictable_blocks():
+            return False, total
+        return None, total
+
+    def _probe_path(self, tokens: list[int]) -> list[RadixNode]:
+        """The nodes a match of ``tokens`` (all in the tree) runs through, unsplit."""
+        node, pos, out = self.radix.root, 0, []
+        while pos < len(tokens):
+            node = node.children[tokens[pos]]
+            out.append(node)
+            pos += len(node.tokens)
+        return out
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies ``(src, dst)`` queued by ``allocate`` (radix: a match that ends inside
+        a block); the caller copies them before the forward that writes the prompt."""
+        out, self._copies = self._copies, []
+        return out
 
     def allocate(self, seq_id: Hashable, prompt_tokens: Sequence[int]) -> int:
         """Reserve slots for a prompt; returns how many leading tokens are already cached.
@@ -378,6 +468,8 @@ class BlockManager:
         tokens = [int(t) for t in prompt_tokens]
         if not tokens:
             raise ValueError("prompt_tokens is empty; a sequence needs at least one token")
+        if self.radix is not None:
+            return self._allocate_radix(seq_id, tokens)
         needed = self.num_blocks_to_allocate(tokens)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(needed, self.num_free_blocks, f"allocate {seq_id!r}")
@@ -400,6 +492,49 @@ class BlockManager:
         self.stats.hits += cached
         return cached
 
+    def _allocate_radix(self, seq_id: Hashable, tokens: list[int]) -> int:
+        use_match, needed = self._radix_route(tokens)
+        if use_match is None:
+            raise NoFreeBlocksError(needed, self.num_free_blocks, f"allocate {seq_id!r}")
+        bs, tree = self.block_size, self.radix
+        node, m = tree.match(tokens[:-1]) if use_match else (tree.root, 0)
+        tree.lock(node)                      # before eviction: the match stays
+        path = tree.block_table(node)
+        full = m // bs
+        blocks: list[int] = []
+        try:
+            tree.evict(self._blocks_for(len(tokens)) - full)
+            for block in path[:full]:
+                self.allocator.incref(block)
+                blocks.append(block)
+            for _ in range(self._blocks_for(len(tokens)) - full):
+                blocks.append(self.allocator.allocate())
+        except BaseException:
+            for block in reversed(blocks):
+                self.allocator.decref(block)
+            tree.unlock(node)
+            raise
+        if m % bs:            # the prompt writes after the match in this block: copy it first
+            self._copies.append((path[full], blocks[full]))
+        self._seqs[seq_id] = _SeqState(blocks=blocks, num_tokens=len(tokens), tokens=tokens,
+                                       node=node, computed=m)
+        self.stats.queries += len(tokens)
+        self.stats.hits += m
+        return m
+
+    def _radix_insert(self, st: _SeqState, upto: int) -> None:
+        """Put the sequence's first ``upto`` tokens (as far as they are known) into the tree
+        and hold the new path locked instead of the old one."""
+        known = st.tokens[:upto]
+        if None in known:
+            known = known[:known.index(None)]
+        if len(known) <= st.node.end:
+            return
+        node = self.radix.insert(known, st.blocks)
+        self.radix.lock(node)
+        self.radix.unlock(st.node)
+        st.node = node
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The K/V of the first ``num_tokens`` tokens are written: index their full blocks.
 
@@ -410,11 +545,15 @@ class BlockManager:
         if not 0 <= num_tokens <= st.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} for sequence {seq_id!r} of "
                              f"{st.num_tokens} tokens; allowed: 0..{st.num_tokens}")
+        st.computed = max(st.computed, num_tokens)
+        if self.radix is not None:           # full blocks only: the last one is still written
+            self._radix_insert(st, num_tokens // self.block_size * self.block_size)
+            return
         self._register_full_blocks(st, num_tokens)
 
     def _register_full_blocks(self, st: _SeqState, upto: int | None = None) -> None:
         """Index every full block (of the first ``upto`` tokens) not yet hashed."""
-        if not self.enable_prefix_caching:
+        if self.prefix_cache != "hash":
             return
         bs = self.block_size
         upto = st.num_tokens if upto is None else upto
@@ -452,9 +591,12 @@ class BlockManager:
         manager's ``append_slot`` function (:func:`append_to_table` by default).
         """
         st = self._state(seq_id)
-        if self.num_blocks_to_append(seq_id) > self.num_free_blocks:
+        need = self.num_blocks_to_append(seq_id)
+        if need > self.num_free_blocks:
             what = "append to" if st.num_tokens % self.block_size == 0 else "copy-on-write for"
             raise NoFreeBlocksError(1, 0, f"{what} {seq_id!r}")
+        if self.radix is not None and need:
+            self.radix.evict(need)
         slot, cow = self._append(st.blocks, st.num_tokens, self.allocator, self.block_size)
         st.num_tokens += 1
         st.tokens.append(None if token_id is None else int(token_id))
@@ -468,18 +610,25 @@ class BlockManager:
         st = self._state(parent)
         for block in st.blocks:
             self.allocator.incref(block)
+        if st.node is not None:
+            self.radix.lock(st.node)
         self._seqs[child] = _SeqState(blocks=list(st.blocks), num_tokens=st.num_tokens,
-                                      tokens=list(st.tokens), hashes=list(st.hashes))
+                                      tokens=list(st.tokens), hashes=list(st.hashes),
+                                      node=st.node, computed=st.computed)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence's references; its full blocks stay cached until evicted.
 
         Blocks are released last-first, so the tail of a sequence is evicted before its
-        (more shareable) head.
+        (more shareable) head. Radix: every computed token joins the tree first, the
+        partly filled last block too (nobody writes it any more).
         """
         st = self._seqs.pop(seq_id, None)
         if st is None:
             raise ValueError(f"unknown sequence {seq_id!r}; known: {list(self._seqs)[:8]}")
+        if self.radix is not None:
+            self._radix_insert(st, st.computed)
+            self.radix.unlock(st.node)
         for block in reversed(st.blocks):
             self.allocator.decref(block)
 
@@ -488,12 +637,24 @@ class BlockManager:
         """Raise AssertionError if the bookkeeping is inconsistent (used by the tests)."""
         a = self.allocator
         refs = [0] * self.num_blocks
+        locks: dict[int, int] = {}
         for st in self._seqs.values():
             assert len(st.blocks) == self._blocks_for(st.num_tokens), "table length"
             assert len(st.tokens) == st.num_tokens, "token list length"
             assert len(st.hashes) <= st.num_tokens // self.block_size, "a partial block hashed"
             for b in st.blocks:
                 refs[b] += 1
+            if self.radix is not None:
+                path = self.radix.path(st.node)
+                assert [t for n in path for t in n.tokens] == st.tokens[:st.node.end], \
+                    "a sequence holds a tree path that is not its prefix"
+                for n in path:
+                    locks[id(n)] = locks.get(id(n), 0) + 1
+        if self.radix is not None:
+            self.radix.check_invariants(locks)
+            refs = [r + t for r, t in zip(refs, self.radix.references())]
+            assert refs == list(a.ref_counts), \
+                "reference counts differ from table and tree references"
         assert refs == list(a.ref_counts), "reference counts differ from table references"
         used = sum(1 for r in refs if r > 0)
         assert a.num_free == self.num_blocks - used, "free + used blocks != num_blocks"
