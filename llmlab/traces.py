@@ -2,6 +2,9 @@
 
 A trace is a JSONL file under ``data/traces/`` (written by ``data/make_trace.py``), one
 request per line: ``{"id", "arrival_s", "prompt", "prompt_tokens", "output_tokens"}``.
+A multi-turn trace adds ``"session"`` and ``"turn"``: turn 0 arrives at ``arrival_s``;
+turn k > 0 is the text appended to the conversation after turn k-1's answer, and
+arrives ``arrival_s`` seconds after that answer ends (:mod:`llmlab.engine.sessions`).
 :func:`load_trace` reads one into :class:`TraceRequest` records. A leaf module: it
 imports nothing from llmlab (a tokenizer, when wanted, is passed in).
 """
@@ -29,6 +32,8 @@ class TraceRequest:
     # the prompt tokenized by load_trace(tokenizer=...): no special tokens, no chat template
     prompt_token_ids: list[int] | None = dataclasses.field(default=None, compare=False,
                                                            repr=False)
+    session: str = ""              # multi-turn traces: the conversation it belongs to
+    turn: int = 0                  # its place in the conversation (0: the first)
 
     @property
     def total_tokens(self) -> int:
@@ -77,7 +82,8 @@ def load_trace(name_or_path: str | Path, limit: int | None = None, *,
             n = min(n, max_output)
         ids = (list(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])
                if tokenizer is not None else None)
-        out.append(TraceRequest(r["prompt_tokens"], n, r["arrival_s"], r["prompt"], r["id"], ids))
+        out.append(TraceRequest(r["prompt_tokens"], n, r["arrival_s"], r["prompt"], r["id"], ids,
+                                r.get("session", ""), r.get("turn", 0)))
     return out
 
 

@@ -47,7 +47,8 @@ def test_prompts_are_text_of_the_stated_token_count(tokenizer):
     for name in trace_names():
         for r in random.Random(0).sample(load_trace(name), 10):
             assert len(tokenizer(r.prompt)["input_ids"]) == r.prompt_tokens
-            assert r.prompt[0].isupper() and " " in r.prompt
+            # chat traces hold the template's markup around the text (data/make_prefix_traces.py)
+            assert (r.prompt[0].isupper() or r.prompt.startswith("<|im_")) and " " in r.prompt
 
 
 def test_generator_is_deterministic(tokenizer, monkeypatch):

@@ -56,6 +56,8 @@ class PagedKVCache:
     engine's packed steps, prompts without a cached prefix attend to their own new K/V
     before quantization; everything read back from the pool went through int8.
 
+    ``prefix_cache``: ``"hash"``, ``"radix"`` or None (as :class:`BlockManager` takes it).
+
     ``allocator``: a class (or factory) called as ``allocator(num_blocks, block_size)``
     whose object replaces the block manager's pool, and ``append_slot`` the function that
     updates a block table for the next token (both as :class:`BlockManager` takes them).
@@ -67,7 +69,8 @@ class PagedKVCache:
                  block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
                  backend: str | None = None, kv_dtype: str = "auto",
-                 allocator: Callable | None = None, append_slot: Callable | None = None):
+                 allocator: Callable | None = None, append_slot: Callable | None = None,
+                 prefix_cache: str | Callable | None = "hash"):
         for label, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                              ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
@@ -78,7 +81,7 @@ class PagedKVCache:
         self.manager = BlockManager(
             num_blocks, block_size, enable_prefix_caching,
             allocator=None if allocator is None else allocator(num_blocks, block_size),
-            append_slot=append_slot)
+            append_slot=append_slot, prefix_cache=prefix_cache)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.backend = backend

@@ -177,6 +177,7 @@ class BeamSearcher:
         start = eng.now()
         live = [b for s in searches for b in s.live]
         work = SchedulerOutput(packed=True)
+        work.block_copies.extend(self.bm.take_copies())   # radix: prompts matched mid-block
         for beam in live:
             if beam.output_token_ids:          # its newest token needs a slot (maybe a copy)
                 _, cow = self.bm.append_slot(beam.seq_id, beam.output_token_ids[-1])

@@ -116,7 +116,9 @@ class LLMEngine:
                  paged_attention: str | None = None, seed: int = 0,
                  decode_attention: str | None = None, kv_cache_dtype: str = "auto",
                  compile: bool = False, allocator: Callable | None = None,
-                 append_slot: Callable | None = None):
+                 append_slot: Callable | None = None,
+                 prefix_cache: str | Callable | None = "hash", admission: str = "fcfs",
+                 max_overtakes: int = 8):
         cfg = model.config
         ctx = cfg.max_position_embeddings
         max_model_len = ctx if max_model_len is None else max_model_len
@@ -126,7 +128,8 @@ class LLMEngine:
         schedule_fn = scheduler if callable(scheduler) else None
         policy = "continuous" if schedule_fn is not None else scheduler
         self.config = SchedulerConfig(policy, max_num_seqs, max_num_batched_tokens,
-                                      max_model_len, enable_chunked_prefill)
+                                      max_model_len, enable_chunked_prefill, admission,
+                                      max_overtakes)
         paged_attention = choose_paged_attention(paged_attention, model.device, decode_attention)
         if num_blocks is None:
             probe = PagedKVCache.for_model(model, 1, block_size, kv_dtype=kv_cache_dtype)
@@ -137,7 +140,8 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size,
                                             enable_prefix_caching=enable_prefix_caching,
                                             backend=paged_attention, kv_dtype=kv_cache_dtype,
-                                            allocator=allocator, append_slot=append_slot)
+                                            allocator=allocator, append_slot=append_slot,
+                                            prefix_cache=prefix_cache)
         self.scheduler = Scheduler(self.config, self.cache.manager, schedule_fn)
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_token_id = eos
@@ -217,8 +221,14 @@ class LLMEngine:
         arrival = self.now() if arrival_time is None else float(arrival_time)
         req = Request(next(self._request_ids), prompt, ids, params, arrival)
         req.error_param, req.error = self._reject_reason(ids, params)
+        if req.error is None and params.structured is not None:
+            try:
+                req.grammar = self.grammar(params.structured)
+            except ValueError as e:          # a schema the backends cannot compile
+                req.error_param, req.error = "structured", str(e)
         if req.error is None:
             seq = Sequence(next(self._seq_ids), req, 0, ids, generator=self._generator(params, 0))
+            seq.matcher = req.grammar.matcher() if req.grammar is not None else None
             req.seqs.append(seq)
             self.requests[req.request_id] = req
             self.scheduler.add(seq)
@@ -226,6 +236,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def grammar(self, structured):
+        """``SamplingParams.structured`` compiled over this engine's tokenizer and vocabulary
+        (kept: a repeated schema compiles once; :func:`llmlab.structured.compile_grammar`)."""
+        from ..structured import compile_grammar
+
+        return compile_grammar(structured, self.tokenizer, self.model.config.vocab_size,
+                               self.eos_token_id)
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, int]]:
@@ -271,7 +289,7 @@ class LLMEngine:
                             for s in scheduled if s.generator is not None}
         raw = logits
         try:
-            logits = self._penalize(raw, scheduled)
+            logits = self._constrain(self._penalize(raw, scheduled), scheduled, raw)
             tokens, logprobs = self._sample(logits, scheduled)
         except Exception as e:
             _blame(e, self._culprits(raw, scheduled))
@@ -301,7 +319,8 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             saved = self._rng_states.get(seq.seq_id)
             try:
-                self._sample(self._penalize(logits[row:row + 1], [seq]), [seq])
+                self._sample(self._constrain(self._penalize(logits[row:row + 1], [seq]), [seq],
+                                             logits), [seq])
             except Exception:
                 found.append(seq.request.request_id)
             finally:
@@ -322,6 +341,21 @@ class LLMEngine:
             logits[rows], [seqs[r].prompt_token_set() for r in rows],
             [seqs[r].output_counts() for r in rows], [p.presence_penalty for p in ps],
             [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps])
+        return logits
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, seqs: list[Sequence], raw: torch.Tensor) -> torch.Tensor:
+        """Rows of sequences with a grammar: the tokens it forbids in their current state
+        set to -inf (notebook 12); ``raw`` (the model's logits) is never written."""
+        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return logits
+        if logits.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+            logits = logits.clone()
+        for r in rows:
+            m = seqs[r].matcher
+            m.catch_up(seqs[r].output_token_ids)
+            m.mask_logits_(logits[r])
         return logits
 
     @staticmethod
@@ -352,6 +386,7 @@ class LLMEngine:
                              generator=self._generator(p, index))
             self.cache.manager.fork(parent.seq_id, child.seq_id)
             req.seqs.append(child)
+            child.matcher = req.grammar.matcher() if req.grammar is not None else None
             self.scheduler.add_running(child)
             toks, logprobs = self._sample(logits[None], [child])
             tok = toks[0]
@@ -371,8 +406,12 @@ class LLMEngine:
                             max_tokens=p.max_tokens, max_len=self.config.max_model_len)
         if why == "stop":                  # the end-of-sequence token (it is not text)
             return SequenceStatus.FINISHED_STOPPED, tok, None
+        if why is None and seq.matcher is not None:
+            seq.matcher.catch_up(seq.output_token_ids)
+            if seq.matcher.is_finished():  # the grammar is complete: only EOS could follow
+                why = "grammar"
         text = seq.detok
-        if why == "length":                # the last token: a trailing half character too
+        if why in ("length", "grammar"):   # the last token: a trailing half character too
             text.flush(self.tokenizer, seq.output_token_ids)
         else:                              # a few tokens decoded, not the whole list
             text.add(self.tokenizer, seq.output_token_ids)
@@ -386,6 +425,8 @@ class LLMEngine:
             seq.stop_checked = text.length
         if why == "length":
             return SequenceStatus.FINISHED_LENGTH, None, None
+        if why == "grammar":
+            return SequenceStatus.FINISHED_STOPPED, None, text.text()
         return None, None, None
 
     @staticmethod
@@ -622,7 +663,11 @@ class LLM:
     called as ``allocator(num_blocks, block_size)``, and a function as
     :class:`~llmlab.cache.block_manager.BlockManager` takes it; notebook 04's builds);
     a replacement allocator needs ``enable_prefix_caching=False`` unless it has the
-    prefix-cache methods.
+    prefix-cache methods. ``prefix_cache``: ``"hash"`` (full blocks by hash, the default),
+    ``"radix"`` (a token-level radix tree, :mod:`llmlab.cache.radix`) or None;
+    ``enable_prefix_caching=False`` is the older spelling of None. ``admission``:
+    ``"fcfs"`` or ``"cache_aware"`` (the longest cached prefix first, each request overtaken
+    at most ``max_overtakes`` times; :mod:`llmlab.engine.scheduler`). Notebook 13.
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, *, kv_cache: str = "paged",
@@ -634,7 +679,9 @@ class LLM:
                  dtype: str | torch.dtype | None = None, seed: int = 0,
                  decode_attention: str | None = None, kv_cache_dtype: str = "auto",
                  compile: bool = False, allocator: Callable | None = None,
-                 append_slot: Callable | None = None):
+                 append_slot: Callable | None = None,
+                 prefix_cache: str | Callable | None = "hash", admission: str = "fcfs",
+                 max_overtakes: int = 8):
         import llmlab
 
         if kv_cache not in KV_CACHES:
@@ -666,7 +713,9 @@ class LLM:
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 paged_attention=paged_attention, seed=seed,
                                 decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype,
-                                compile=compile, allocator=allocator, append_slot=append_slot)
+                                compile=compile, allocator=allocator, append_slot=append_slot,
+                                prefix_cache=prefix_cache, admission=admission,
+                                max_overtakes=max_overtakes)
 
     # -- inputs ------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:

@@ -26,6 +26,15 @@ Two policies, chosen by name (``SchedulerConfig.policy``):
   decoding sequence for a whole long step: it is spread over several steps, each of
   which also advances the decodes. Its first token comes after its last chunk.
 
+Under ``continuous``, ``admission`` orders the waiting queue: ``"fcfs"`` (first come, first
+served, the default) or ``"cache_aware"``: the arrived request with the longest cached
+prefix goes first (SGLang's longest-prefix-match policy, Zheng et al., NeurIPS 2024,
+https://arxiv.org/abs/2312.07104), so requests whose prefix is in the cache run before it
+is evicted, and their short prefills leave room for others. It is *bounded*: a request is
+overtaken by later arrivals at most ``max_overtakes`` times; after that nothing that
+arrived after it is admitted before it. (Only the first ``CACHE_AWARE_WINDOW`` arrived
+requests are compared, which bounds the cost of a step.)
+
 The scheduler owns the block manager calls (``allocate``, ``append_slot``, ``free``),
 so the runner only executes what it is given. The continuous policy's one-step decision
 is a plain function of the scheduler, so a hand-written one can replace it:
@@ -42,6 +51,8 @@ from ..cache.block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("static", "continuous")
+ADMISSIONS = ("fcfs", "cache_aware")
+CACHE_AWARE_WINDOW = 64
 
 EMPTY, HELD = -1, -2   # occupancy codes: a free seat; a static seat whose member is done
 
@@ -58,10 +69,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = False
+    admission: str = "fcfs"
+    max_overtakes: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler={self.policy!r}; allowed: {list(POLICIES)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission={self.admission!r}; allowed: {list(ADMISSIONS)}")
+        if self.admission != "fcfs" and self.policy != "continuous":
+            raise ValueError(f"admission={self.admission!r} needs scheduler='continuous'; "
+                             f"got scheduler={self.policy!r}")
+        if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
+            raise ValueError(f"max_overtakes={self.max_overtakes!r} must be an int >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -134,6 +154,7 @@ class Scheduler:
         self.batch: list[Sequence] = []            # static: the current batch's members
         self.seats: dict[int, Sequence | None] = {}
         self.num_preemptions = 0
+        self.overtaken: dict[int, int] = {}        # seq_id -> later arrivals admitted first
 
     # -- queue --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -274,6 +295,7 @@ class Scheduler:
         """Allocate a waiting sequence's blocks and schedule its prefill (at most ``limit``
         tokens of it); returns the tokens scheduled."""
         cached = self.bm.allocate(seq.seq_id, seq.all_token_ids)
+        out.block_copies.extend(self.bm.take_copies())   # a match that ends inside a block
         seq.num_computed = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)      # running before it leaves the queue: never in neither
@@ -310,8 +332,8 @@ class Scheduler:
             return out
         seats = self._seats_in_use()
         while self.waiting:
-            seq = self.waiting[0]
-            if seq.request.arrival_time > now:
+            seq = self.next_waiting(now)
+            if seq is None:
                 break
             need = self._seats_needed(seq)
             if seats + need > cfg.max_num_seqs:
@@ -322,9 +344,37 @@ class Scheduler:
                 break
             if not self.bm.can_allocate(seq.all_token_ids):
                 break
+            self._count_overtakes(seq)
             used += self.admit(seq, out, budget - used if chunked else None)
             seats += need
         return out
+
+    def next_waiting(self, now: float) -> Sequence | None:
+        """The waiting sequence to admit next under ``config.admission`` (None: nobody has
+        arrived). ``"cache_aware"``: the longest cached prefix (the earliest on a tie) among
+        the arrived ones up to the first that was overtaken ``max_overtakes`` times."""
+        if not self.waiting or self.waiting[0].request.arrival_time > now:
+            return None
+        if self.config.admission == "fcfs":
+            return self.waiting[0]
+        best, best_len = None, -1
+        for i, seq in enumerate(self.waiting):
+            if i >= CACHE_AWARE_WINDOW or seq.request.arrival_time > now:
+                break
+            n = self.bm.cached_prefix_length(seq.all_token_ids)
+            if n > best_len:
+                best, best_len = seq, n
+            if self.overtaken.get(seq.seq_id, 0) >= self.config.max_overtakes:
+                break                   # the bound: nobody behind it goes first
+        return best
+
+    def _count_overtakes(self, seq: Sequence) -> None:
+        """``seq`` is admitted: every arrived sequence ahead of it in the queue is overtaken."""
+        self.overtaken.pop(seq.seq_id, None)
+        for s in self.waiting:
+            if s is seq:
+                break
+            self.overtaken[s.seq_id] = self.overtaken.get(s.seq_id, 0) + 1
 
     def _blocks_reserved(self, seq: Sequence) -> int:
         """Blocks a static server reserves for a member: its whole possible length, × n."""
@@ -361,5 +411,5 @@ class Scheduler:
         return out
 
 
-__all__ = ["POLICIES", "SchedulerConfig", "Scheduler", "SchedulerOutput", "ScheduledSeq",
+__all__ = ["POLICIES", "ADMISSIONS", "SchedulerConfig", "Scheduler", "SchedulerOutput", "ScheduledSeq",
            "EMPTY", "HELD"]
