@@ -15,7 +15,8 @@ occupancy, and the count of tensor-core instructions in the SASS (``HMMA``: warp
 
 The builds are the tiles the wrappers and autotuners can pick: every autotune config of
 ``flash_attn`` (:func:`llmlab.kernels.flash_attn.tile_configs`) at head_dim 64 and 128,
-the paged-attention kernel at each KV block size, and the grouped GEMM at each tile of
+the paged-attention kernel at each KV block size (unsplit, and split-KV with its merge),
+and the grouped GEMM at each tile of
 :func:`llmlab.kernels.moe_gemm.gpu_tiles`, and the fused elementwise kernels of
 :mod:`llmlab.kernels.fused` (no dots, so no tensor cores) at SmolLM2's shapes, a larger
 model's and the largest their wrappers accept, in float16, bfloat16 and float32. ``--full``
@@ -87,7 +88,8 @@ ARCHS = {
                         tensor_core_op="HGMMA"),
 }
 DTYPES = ("fp16", "bf16", "fp32")
-KERNELS = ("flash", "paged", "moe", "quant", "add_rmsnorm", "swiglu", "qkv_rope")
+KERNELS = ("flash", "paged", "paged_split", "lse_merge", "moe", "quant", "add_rmsnorm",
+           "swiglu", "qkv_rope")
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,14 @@ SOURCES = {
                           ("CU_Q", "CU_K", "K_START", "K_END"), ("qk_scale",)),
     "paged": KernelSource("paged_attn", "_paged_attn_fwd", ("Q", "K", "V", "O"), ("BT", "SEQLENS"),
                           ("sm_scale",)),
+    # split-KV decode: float32 partial outputs and log-sum-exps, then their merge
+    "paged_split": KernelSource("paged_attn", "_paged_attn_split_fwd", ("Q", "K", "V"),
+                                ("BT", "SEQLENS"), ("sm_scale",),
+                                typed_pointers=lambda consts: {"O_PART": "*fp32", "LSE": "*fp32"}),
+    "lse_merge": KernelSource("paged_attn", "_lse_merge", ("O",),
+                              typed_pointers=lambda consts: {"O_PART": "*fp32", "LSE": "*fp32",
+                                                             "LSE_OUT": "*fp32"},
+                              dots=False),
     "moe": KernelSource("moe_gemm", "_grouped_gemm_kernel",
                         ("x_ptr", "w_ptr", "y_ptr", "scale_ptr"),
                         ("offsets_ptr", "tile_expert_ptr", "tile_row_ptr"), (),
@@ -182,8 +192,10 @@ class BuildSpec:
         c = dict(self.constants)
         if self.kernel in ("moe", "quant"):
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
-        elif self.kernel == "paged":
+        elif self.kernel in ("paged", "paged_split"):
             tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} kv{c['BLOCK_SIZE']} d{c['HEAD_DIM']}"
+        elif self.kernel == "lse_merge":
+            tile = f"{c['BLOCK_R']} rows d{c['HEAD_DIM']}"
         elif self.kernel in ("add_rmsnorm", "swiglu"):
             tile = f"block {c['BLOCK']}"
         elif self.kernel == "qkv_rope":
@@ -256,6 +268,31 @@ def paged_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64, blo
                      f"group {group}" + (" causal" if causal else ""))
 
 
+def paged_split_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64,
+                     block_size: int = 16, group: int = 3, causal: bool = True,
+                     num_warps: int = 4, num_stages: int = 3) -> BuildSpec:
+    """A build of split-KV decode's first kernel (partials and their log-sum-exp), with the
+    wrapper's tile (:func:`llmlab.kernels.paged_attn.split_tile`); arguments as
+    :func:`paged_spec`."""
+    import torch
+
+    from . import paged_attn
+    tile = paged_attn.split_tile({"fp16": torch.float16, "bf16": torch.bfloat16,
+                                  "fp32": torch.float32}[dtype], head_dim)
+    base = paged_spec(arch, dtype, head_dim, block_size, group, *tile, causal=causal,
+                      num_warps=num_warps, num_stages=num_stages)
+    return BuildSpec("paged_split", arch, dtype, base.constants, num_warps, num_stages,
+                     base.variant)
+
+
+def lse_merge_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64) -> BuildSpec:
+    """A build of split-KV decode's merge (float32 partials in, ``dtype`` out), with the
+    wrapper's rows per program."""
+    from . import paged_attn
+    consts = dict(HEAD_DIM=head_dim, BLOCK_R=paged_attn.MERGE_ROWS)
+    return BuildSpec("lse_merge", arch, dtype, tuple(consts.items()), 4, 3, "")
+
+
 def moe_spec(arch: str = "sm_90", dtype: str = "bf16", block_m: int = 32, block_n: int = 64,
              block_k: int = 32, num_warps: int = 4, num_stages: int = 3,
              has_scale: bool = True) -> BuildSpec:
@@ -320,7 +357,8 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
     """Every build of the report: each tile the wrappers and autotuners can pick.
 
     Default: flash dense causal at head_dim 64 and 128 for every autotune tile; paged
-    causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128; the
+    causal at every KV block size of :data:`PAGED_BLOCK_SIZES`, head_dim 64 and 128, and
+    so the split-KV partials kernel, with its merge at each head_dim; the
     grouped GEMM at every tile of ``gpu_tiles`` (scaled output); the quantized GEMM at every
     tile of its ``gpu_tiles``, int4 (group 32) and int8; the fused elementwise kernels at
     :data:`RMSNORM_HIDDEN` (with the residual) and :data:`QKV_ROPE_HEADS`. ``full`` adds
@@ -351,6 +389,13 @@ def specs(kernels=KERNELS, archs=tuple(ARCHS), dtypes=DTYPES,
                     for bs in PAGED_BLOCK_SIZES:
                         for causal in ((True, False) if full else (True,)):
                             out.append(paged_spec(arch, dtype, d, bs, causal=causal))
+            if "paged_split" in kernels:
+                for d in head_dims:
+                    for bs in PAGED_BLOCK_SIZES:
+                        out.append(paged_split_spec(arch, dtype, d, bs))
+            if "lse_merge" in kernels:
+                for d in head_dims:
+                    out.append(lse_merge_spec(arch, dtype, d))
             if "moe" in kernels:
                 for bm, bn, bk, w, s in moe_gemm.gpu_tiles(dtype):
                     for scaled in ((True, False) if full else (True,)):

@@ -2,9 +2,9 @@
 
 The default run builds a representative subset (the head_dim-128 autotune tiles of the
 FlashAttention kernel, where registers are tightest, on both targets; its largest
-head_dim-64 tile; the paged and MoE kernels' default tiles; the quantized GEMM's decode
-tile, int4 and int8; the fused norm, SwiGLU and q/k/v + RoPE kernels at their largest
-accepted shapes, one build each per target). ``LLMLAB_COMPILE=full``
+head_dim-64 tile; the paged and MoE kernels' default tiles; split-KV's partials and merge;
+the quantized GEMM's decode tile, int4 and int8; the fused norm, SwiGLU and q/k/v + RoPE
+kernels at their largest accepted shapes, one build each per target). ``LLMLAB_COMPILE=full``
 (``make gpu-compile``) builds the whole matrix of ``python -m llmlab.kernels.report
 --full``: every kernel, tile, mask variant and dtype on both targets.
 """
@@ -32,6 +32,10 @@ def _subset() -> list[R.BuildSpec]:
         largest = max(flash_attn.tile_configs(arch, 64, "fp16"), key=lambda t: t[0] * t[1] * t[2])
         out.append(R.flash_spec(arch, "fp16", 64, *largest, key_range=True))
         out.append(R.paged_spec(arch, "bf16", 64, 16))
+        # split-KV decode: its half-precision tile, the float32 head_dim-128 tile where
+        # registers are tightest, and the merge
+        out += [R.paged_split_spec(arch, "bf16", 64, 16),
+                R.paged_split_spec(arch, "fp32", 128, 16), R.lse_merge_spec(arch, "bf16", 128)]
         out.append(R.moe_spec(arch, "bf16"))
         out += [R.quant_spec(arch, "bf16", int4=True), R.quant_spec(arch, "bf16", int4=False)]
         # the fused elementwise kernels where registers are tightest (no dots: cheap builds)

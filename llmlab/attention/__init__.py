@@ -98,7 +98,7 @@ register("naive", naive_attention,
 register("sdpa", sdpa_attention,
          description="torch.nn.functional.scaled_dot_product_attention")
 
-_OPTIONAL = ("llmlab.attention.flash", "llmlab.attention.paged")
+_OPTIONAL = ("llmlab.attention.flash", "llmlab.attention.paged", "llmlab.attention.split_kv")
 _loaded = False
 
 
