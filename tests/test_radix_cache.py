@@ -49,10 +49,11 @@ def test_unlocked_leaves_are_evicted_least_recently_used_first():
     bm.free("a")
     bm.free("b")
     assert bm.allocator.num_free == 0 and bm.num_free_blocks == 6
-    assert bm.allocate("c", [10] * 8 + [2]) == 8      # touches a's branch: b's is older
-    assert bm.allocate("d", [30] * 4 + [3]) == 0      # needs 2 blocks: b's branch goes
-    assert bm.cached_prefix_length([20] * 8 + [1]) == 0
-    assert bm.cached_prefix_length([10] * 8 + [1]) == 8
+    assert bm.allocate("c", [10] * 8 + [2]) == 8      # takes a's head; b's tail block goes
+    assert bm.cached_prefix_length([20] * 8 + [1]) == 8
+    assert bm.allocate("d", [30] * 4 + [3]) == 0      # 2 more: a's tail, then b's last block
+    assert bm.cached_prefix_length([20] * 8 + [1]) == 4
+    assert bm.cached_prefix_length([10] * 8 + [1]) == 8 and bm.radix.evictions == 3
     bm.check_invariants()
     # a locked path is never evicted: nothing fits now
     assert not bm.can_allocate([40] * 12)

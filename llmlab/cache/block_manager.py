@@ -431,24 +431,15 @@ class BlockManager:
         total = self._blocks_for(len(tokens))
         m = self.radix.longest_prefix(tokens[:-1])
         free = self.allocator.num_free
+        evictable = self.radix.evictable_blocks()
         if m:
-            kept = self._probe_path(tokens[:m])
+            kept = self.radix.evictable_blocks(self.radix.prefix_blocks(tokens[:m]))
             fresh = total - m // self.block_size
-            if fresh <= free + self.radix.evictable_blocks(kept):
-                return True, self.num_free_blocks - (free + self.radix.evictable_blocks(kept)) \
-                    + fresh
-        if total <= free + self.radix.evictable_blocks():
+            if fresh <= free + kept:
+                return True, fresh + evictable - kept
+        if total <= free + evictable:
             return False, total
         return None, total
-
-    def _probe_path(self, tokens: list[int]) -> list[RadixNode]:
-        """The nodes a match of ``tokens`` (all in the tree) runs through, unsplit."""
-        node, pos, out = self.radix.root, 0, []
-        while pos < len(tokens):
-            node = node.children[tokens[pos]]
-            out.append(node)
-            pos += len(node.tokens)
-        return out
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Block copies ``(src, dst)`` queued by ``allocate`` (radix: a match that ends inside

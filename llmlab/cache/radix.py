@@ -17,7 +17,7 @@ the deepest node that covers it (:meth:`RadixCache.block_table`).
 References. The tree holds one allocator reference per (node, block) it lists, so a block
 is free only when no table and no node lists it. A node is *locked* (``lock_ref > 0``) while
 a live sequence's prefix runs through it; unlocked leaves are evicted least recently used
-first, bottom-up, when the pool needs blocks (:meth:`RadixCache.evict`).
+first, tail blocks first, when the pool needs blocks (:meth:`RadixCache.evict`).
 
 Partial blocks. A match may end inside a block. The new sequence shares the full blocks
 before it, and the block of the match's end is *copied on write*: its prompt will write the
@@ -253,26 +253,56 @@ class RadixCache:
             stack.extend(n.children.values())
         return out
 
-    def evictable_blocks(self, also_locked: Sequence[RadixNode] = ()) -> int:
+    def evictable_blocks(self, keep: set[int] = frozenset()) -> int:
         """Blocks that evicting every unlocked node would return to the pool: those whose
-        every reference comes from unlocked nodes (``also_locked`` counted as locked)."""
-        keep = {id(n) for n in also_locked}
+        every reference comes from unlocked nodes, less the blocks in ``keep``."""
         count: dict[int, int] = {}
         for n in self.nodes():
-            if n.lock_ref == 0 and id(n) not in keep:
+            if n.lock_ref == 0:
                 for b in n.blocks:
                     count[b] = count.get(b, 0) + 1
         refs = self.allocator.ref_counts
-        return sum(1 for b, c in count.items() if c == refs[b])
+        return sum(1 for b, c in count.items() if c == refs[b] and b not in keep)
+
+    def prefix_blocks(self, tokens: Sequence[int]) -> set[int]:
+        """Every block a match of ``tokens`` (all held by the tree) would keep locked: the
+        blocks of the nodes it runs through, and of the last one only up to its end."""
+        node, pos, out = self.root, 0, set()
+        while pos < len(tokens):
+            node = node.children[tokens[pos]]
+            n = min(len(node.tokens), len(tokens) - pos)
+            first = node.start // self.block_size
+            out.update(node.blocks[:(node.start + n - 1) // self.block_size - first + 1])
+            pos += n
+        return out
 
     def evict(self, num_free: int) -> None:
-        """Evict unlocked leaves, least recently used first, until the pool has
-        ``num_free`` free blocks (or nothing is left to evict)."""
+        """Evict from unlocked leaves, least recently used first, until the pool has
+        ``num_free`` free blocks (or nothing is left to evict). A leaf gives up its last
+        blocks first (its tail is the part least likely to be shared), and goes when it
+        has none left."""
         while self.allocator.num_free < num_free:
             leaves = [n for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
             if not leaves:
                 return
-            self.remove(min(leaves, key=lambda n: n.last_access))
+            self.trim(min(leaves, key=lambda n: n.last_access),
+                      num_free - self.allocator.num_free)
+
+    def trim(self, leaf: RadixNode, num_blocks: int) -> None:
+        """Drop the last ``num_blocks`` blocks of an unlocked leaf (and its tokens there);
+        the whole leaf when that leaves it no token."""
+        if not leaf.is_leaf or leaf.lock_ref or leaf is self.root:
+            raise ValueError(f"only an unlocked leaf can be trimmed; got {leaf}")
+        keep = len(leaf.blocks) - num_blocks
+        end = (leaf.start // self.block_size + keep) * self.block_size
+        if keep <= 0 or end <= leaf.start:
+            self.remove(leaf)
+            return
+        dropped, leaf.blocks = leaf.blocks[keep:], leaf.blocks[:keep]
+        del leaf.tokens[end - leaf.start:]
+        for b in dropped:
+            if self.allocator.decref(b) == 0:
+                self.evictions += 1
 
     def remove(self, leaf: RadixNode) -> None:
         """Drop an unlocked leaf and its references."""
