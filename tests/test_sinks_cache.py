@@ -88,3 +88,35 @@ def test_bad_input_names_the_value(tiny):
     cache = SinkKVCache.for_model(tiny, 2)
     with pytest.raises(ValueError, match="cannot be padded"):
         cache.begin(3, torch.tensor([[0, 1, 1], [1, 1, 1]]))
+
+
+def test_kv_bytes_calculator():
+    from llmlab.cache import kv_bytes_per_token
+    from llmlab.config import ModelConfig
+    from llmlab.models.registry import model_dir
+    from llmlab.profiling.kv_memory import MODELS, kv_bytes
+
+    smol = kv_bytes("smollm2-135m")
+    assert smol.scheme == "gqa" and smol.per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    config = ModelConfig.from_file(model_dir("smollm2-135m") / "config.json")   # the shipped numbers
+    shape = MODELS["smollm2-135m"]
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == \
+        (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    assert smol.per_token == kv_bytes_per_token(config, 2)
+    assert kv_bytes("smollm2-135m", "mha").per_token == 3 * smol.per_token
+    assert kv_bytes("llama-3-8b").per_token == 128 * 1024                  # 128 KiB a token
+    mla = kv_bytes("deepseek-v2")
+    assert mla.per_token == 60 * (512 + 64) * 2
+    # DeepSeek-V2's Table 1: MLA's cache equals GQA's with 2.25 groups (4.5 d_h l elements)
+    assert mla.per_token_per_layer == 4.5 * 128 * 2
+    # a window caps the cache: 4 sinks + 1020 recent tokens at 32k context
+    w = kv_bytes("llama-3-8b", context=32768, window=1020, sinks=4)
+    assert w.cached_tokens == 1024 and w.total == 1024 * 128 * 1024
+    assert w.per_token == pytest.approx(128 * 1024 / 32)
+    assert kv_bytes("llama-3-8b", context=100, window=1020).cached_tokens == 100
+    with pytest.raises(ValueError, match=r"scheme='mla' needs a latent dimension"):
+        kv_bytes("llama-3-8b", "mla")
+    with pytest.raises(ValueError, match=r"scheme='mqa'; allowed"):
+        kv_bytes("llama-3-8b", "mqa")
+    with pytest.raises(ValueError, match=r"context=0 must be an int >= 1"):
+        kv_bytes("llama-3-8b", context=0)
