@@ -7,7 +7,11 @@
 3. llmlab's engine with ``scheduler="continuous"`` (iteration-level scheduling, packed
    prefill, preemption by recompute);
 4. the same with chunked prefill at a small token budget per step (``--chunk-budget``):
-   the same work cut so that no step is long, which is what TPOT feels.
+   the same work cut so that no step is long, which is what TPOT feels;
+5. with ``--compile``, continuous with ``LLM(compile=True)``: every decode-only step runs
+   a graph compiled per capture size and block-table width (notebook 11); its warm-up
+   serves the whole trace once, so that every graph the trace needs is compiled (and
+   timed apart: "compile s") before the measured rounds.
 
 Every request of the trace (``data/traces/cpu.jsonl`` by default) arrives at time 0 and
 generates exactly its ``output_tokens`` (greedy, EOS ignored, as serving benchmarks do),
@@ -34,6 +38,7 @@ from ._common import header, save, table
 HF_NAME = "HF transformers, padded static"
 CONT = "llmlab continuous"
 STATIC = "llmlab static"
+COMPILED = "llmlab continuous, compiled"
 
 
 class _StepClock:
@@ -138,6 +143,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="serve the trace this many times per system, in rotating order; "
                          "report the median round (ratios are per round, so machine-load "
                          "drift between systems cancels)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run continuous with compile=True (the warm-up round compiles)")
     ap.add_argument("--quick", action="store_true",
                     help="16 requests, 8 seats, outputs scaled by 1/4")
     ap.add_argument("--gpu", action="store_true", help="GPU-sized run (needs CUDA)")
@@ -234,8 +241,8 @@ def check_parity(model, tok, trace: list[TraceRequest], results: dict[str, dict]
 
     k = max(0, min(k, len(trace)))
     picks = sorted({round(i * (len(trace) - 1) / max(k - 1, 1)) for i in range(k)}) if k else []
-    labels = {STATIC: "static", CONT: "continuous", HF_NAME: "HF"}
-    same = {"static": 0, "continuous": 0, "chunked": 0, "HF": 0}
+    labels = {STATIC: "static", CONT: "continuous", HF_NAME: "HF", COMPILED: "compiled"}
+    same = {"static": 0, "continuous": 0, "chunked": 0, "HF": 0, "compiled": 0}
     for i in picks:
         r = trace[i]
         ref = generate(model, tok, [r.prompt_token_ids], max_new_tokens=r.output_tokens,
@@ -270,7 +277,7 @@ def main(argv: list[str]) -> int:
                                                   dtype=model.dtype).to(args.device).eval()
     chunked = f"llmlab continuous, chunked prefill ({args.chunk_budget} tokens/step)"
     systems = ([HF_NAME] if hf is not None else []) + [STATIC, CONT] \
-        + ([chunked] if args.chunk_budget else [])
+        + ([chunked] if args.chunk_budget else []) + ([COMPILED] if args.compile else [])
 
     def serve(name: str, requests: list[TraceRequest]) -> dict:
         if name == HF_NAME:
@@ -278,7 +285,16 @@ def main(argv: list[str]) -> int:
         kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk_budget} \
             if name == chunked else {}
         llm = LLM(model, tok, scheduler="static" if name == STATIC else "continuous",
-                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, **kw)
+                  max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                  compile=name == COMPILED, **kw)
+        if name == COMPILED and requests is warm:    # compile every shape the trace visits
+            from ..compile import graphs_compiled
+
+            t0, g0 = time.perf_counter(), graphs_compiled()
+            res = run_llmlab(llm, trace)
+            print(f"   {COMPILED}: warm-up over the whole trace {time.perf_counter() - t0:.1f} s, "
+                  f"{graphs_compiled() - g0} graphs compiled (not counted below)")
+            return res
         return run_llmlab(llm, requests)
 
     # first calls pay one-time setup (allocator, GEMM kernels)
@@ -298,6 +314,7 @@ def main(argv: list[str]) -> int:
         print(f"   greedy tokens equal to generating alone (requests {picks}): "
               f"continuous {same['continuous']}/{len(picks)}, static {same['static']}/{len(picks)}"
               + (f", chunked {same['chunked']}/{len(picks)}" if args.chunk_budget else "")
+              + (f", compiled {same['compiled']}/{len(picks)}" if args.compile else "")
               + (f", HF batched {same['HF']}/{len(picks)}" if not args.skip_hf else ""))
     save("serve", {"trace": Path(args.trace).name, "requests": len(trace),
                    "max_num_seqs": args.max_num_seqs, "threads": torch.get_num_threads(),
