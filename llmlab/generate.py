@@ -235,7 +235,8 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
                        agree: Callable[[list[int]], list[int]] | None = None,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0,
-                       kv_cache_dtype: str = "auto", compile: bool = False) -> list[TokenRun]:
+                       kv_cache_dtype: str = "auto", compile: bool = False,
+                       grammar=None) -> list[TokenRun]:
     """The generation loop every path shares: prefill, then sample / stop / decode.
 
     ``prompts``: token ids per prompt (checked by the caller). Each prompt gets exactly
@@ -250,6 +251,9 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
     process uses (tensor parallelism broadcasts rank 0's choice). The penalties are the
     engine's (:func:`llmlab.sampling.apply_penalties`), applied before sampling.
     ``compile``: decode with the compiled step on a static cache (:mod:`llmlab.compile`).
+    ``grammar``: a compiled grammar (:func:`llmlab.structured.compile_grammar`); each row
+    gets its own matcher, the forbidden tokens' logits are set to -inf before sampling,
+    and a row finishes ("stop") once nothing but EOS may follow.
     """
     penalized = has_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     ctx = model.config.max_position_embeddings
@@ -260,6 +264,7 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
     batch = _make_batch(model, prompts, budgets, pad_token_id, kv_cache, block_size,
                         num_blocks, paged_attention, kv_cache_dtype, compile)
     runs = [TokenRun(num_cached_tokens=c) for c in batch.num_cached]
+    matchers = [grammar.matcher() for _ in prompts] if grammar is not None else None
     sync(dev)
     t0 = time.perf_counter()
     try:
@@ -271,6 +276,10 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
                 logits = apply_penalties(logits, [prompts[r] for r in active],
                                          [runs[r].token_ids for r in active], presence_penalty,
                                          frequency_penalty, repetition_penalty)
+            if matchers is not None:         # structured output: forbidden tokens -> -inf
+                logits = logits.clone()
+                for i, r in enumerate(active):
+                    matchers[r].mask_logits_(logits[i])
             tokens = sample_rows(logits, [temperature] * n, [top_k] * n, [top_p] * n,
                                  [generators[r] for r in active])      # syncs: honest times
             if agree is not None:
@@ -285,6 +294,10 @@ def generate_token_ids(model, prompts: list[list[int]], max_new_tokens: int, *,
                     tok, len(run.token_ids), len(prompts[row]) + len(run.token_ids),
                     eos_token_id=eos_token_id, ignore_eos=ignore_eos,
                     max_tokens=max_new_tokens, max_len=ctx)
+                if matchers is not None and run.finish_reason != "stop":
+                    matchers[row].advance(tok)
+                    if matchers[row].is_finished():      # only EOS could follow
+                        run.finish_reason = "stop"
                 if run.finish_reason is None:
                     still.append(row)
                 else:
@@ -305,7 +318,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
              paged_attention: str | None = None, speculative=None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, kv_cache_dtype: str = "auto",
-             compile: bool = False):
+             compile: bool = False, structured=None):
     """Generate for one prompt (returns a :class:`Generation`) or a list (returns a list).
 
     ``prompts``: a string, a list of strings, or a list of token-id lists (used as they are).
@@ -335,6 +348,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     decode step runs one graph compiled by ``torch.compile`` (CUDA graphs on a GPU) over a
     :class:`llmlab.cache.StaticKVCache` (``kv_cache="static"``, fixed shapes, the default
     then); the first call of a batch size compiles (notebook 11, :mod:`llmlab.compile`).
+    ``structured``: constrain every output to a grammar, as ``SamplingParams.structured``
+    (``{"regex": ...}``, ``{"json_schema": ...}``, ``{"choice": [...]}``; notebook 12).
     """
     check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -351,7 +366,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                              f"{p[:40]!r}...")
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    grammar = None
+    if structured is not None:
+        from .structured import compile_grammar
+
+        grammar = compile_grammar(structured, tokenizer, cfg.vocab_size, eos)
     if speculative is not None:
+        if grammar is not None:
+            raise ValueError("structured= does not apply to speculative decoding yet; pass one")
         spec = SpeculativeConfig.coerce(speculative)
         if compile:
             raise ValueError("compile=True does not apply to speculative decoding yet; pass one")
@@ -372,11 +394,12 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
                                   pad_token_id=pad, ignore_eos=ignore_eos, kv_cache=kv_cache,
                                   block_size=block_size, num_blocks=num_blocks,
                                   paged_attention=paged_attention, **penalties,
-                                  kv_cache_dtype=kv_cache_dtype, compile=compile)
+                                  kv_cache_dtype=kv_cache_dtype, compile=compile,
+                                  grammar=grammar)
     results = []
     for p, ids, run in zip(prompts, encoded, runs):
         toks = run.token_ids
-        stopped = run.finish_reason == "stop"
+        stopped = run.finish_reason == "stop" and toks[-1] == eos   # a grammar may end it too
         text = tokenizer.decode(toks[:-1] if stopped else toks, skip_special_tokens=True)
         metrics = RequestMetrics(prompt_tokens=len(ids), output_tokens=len(toks),
                                  ttft_s=run.times_s[0], e2e_s=run.times_s[-1])

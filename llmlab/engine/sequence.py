@@ -46,6 +46,14 @@ class SamplingParams:
     chosen token and of the ``logprobs`` most likely ones, and their sum
     (``cumulative_logprob``), from the distribution sampled (penalties and temperature
     applied, before top-k / top-p; see :mod:`llmlab.sampling`).
+
+    ``structured``: constrain the output to a grammar (vLLM's guided decoding):
+    ``{"regex": ...}``, ``{"json_schema": ...}`` (a dict or a pydantic model),
+    ``{"choice": [...]}`` or ``{"json_object": True}``, optionally with ``"backend"``
+    (``"auto"``, ``"llmlab"``, ``"llguidance"``). Each step sets the logits of the tokens
+    the grammar forbids to -inf before sampling; the completion ends (``"stop"``) when
+    the grammar accepts and EOS is sampled, or as soon as nothing but EOS may follow
+    (:mod:`llmlab.structured`, notebook 12).
     """
 
     n: int = 1
@@ -60,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    structured: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -81,6 +90,10 @@ class SamplingParams:
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n={self.n} needs temperature > 0: greedy decoding would give "
                              f"{self.n} identical completions")
+        if self.structured is not None:
+            from ..structured.spec import coerce_spec
+
+            self.structured = coerce_spec(self.structured)   # ValueError "structured...: why"
 
     @property
     def greedy(self) -> bool:
@@ -140,6 +153,7 @@ class Sequence:
     # much of it the stop strings have been searched in: per token, both cost O(1)
     detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer, repr=False)
     stop_checked: int = 0
+    matcher: object = None           # its place in the request's grammar (structured output)
     _counts: dict | None = field(default=None, init=False, repr=False)    # output_counts()
     _counted: int = field(default=0, init=False, repr=False)
     _prompt_set: frozenset | None = field(default=None, init=False, repr=False)
@@ -232,6 +246,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
     error_param: str | None = None   # the parameter that made it fail ("prompt", "n", ...)
+    grammar: object = None           # params.structured compiled (llmlab.structured)
 
     @property
     def finished(self) -> bool:
