@@ -245,14 +245,6 @@ class LLMEngine:
         return compile_grammar(structured, self.tokenizer, self.model.config.vocab_size,
                                self.eos_token_id)
 
-    def grammar(self, structured):
-        """``SamplingParams.structured`` compiled over this engine's tokenizer and vocabulary
-        (kept: a repeated schema compiles once; :func:`llmlab.structured.compile_grammar`)."""
-        from ..structured import compile_grammar
-
-        return compile_grammar(structured, self.tokenizer, self.model.config.vocab_size,
-                               self.eos_token_id)
-
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, int]]:
         """Schedule, run and sample once; returns the (sequence, token) pairs produced.
@@ -349,21 +341,6 @@ class LLMEngine:
             logits[rows], [seqs[r].prompt_token_set() for r in rows],
             [seqs[r].output_counts() for r in rows], [p.presence_penalty for p in ps],
             [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps])
-        return logits
-
-    @staticmethod
-    def _constrain(logits: torch.Tensor, seqs: list[Sequence], raw: torch.Tensor) -> torch.Tensor:
-        """Rows of sequences with a grammar: the tokens it forbids in their current state
-        set to -inf (notebook 12); ``raw`` (the model's logits) is never written."""
-        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
-            return logits
-        if logits.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
-            logits = logits.clone()
-        for r in rows:
-            m = seqs[r].matcher
-            m.catch_up(seqs[r].output_token_ids)
-            m.mask_logits_(logits[r])
         return logits
 
     @staticmethod
