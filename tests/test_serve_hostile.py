@@ -291,6 +291,8 @@ def test_dropped_streams_and_requests_free_their_blocks(hostile):
     body = {"prompt": "a long one", "max_tokens": 2000, "ignore_eos": True, "stream": True,
             "temperature": 0}
     loop = hostile.app.state.server.loop
+    finished = lambda why: hostile.app.state.server.metrics.finished.labels(why)._value.get()  # noqa: E731
+    aborted_before, ran_out_before = finished("abort"), finished("length")
     with httpx.Client(base_url=hostile.url, timeout=30) as h:
         streams = [h.stream("POST", "/v1/completions", json=body) for _ in range(6)]
         for s in streams:
@@ -310,7 +312,11 @@ def test_dropped_streams_and_requests_free_their_blocks(hostile):
               b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
     s.close()
     FUZZ_LOG["cases"] += 3
-    assert wait_for(lambda: _idle(hostile), 15), "a dropped request still holds KV blocks"
+    # aborted within a few disconnect checks, long before 2000 tokens (which would also
+    # free the blocks, by finishing for nobody)
+    assert wait_for(lambda: _idle(hostile), 5), "a dropped request still holds KV blocks"
+    assert finished("abort") - aborted_before == 8, "each dropped request is aborted"
+    assert finished("length") == ran_out_before, "a dropped request ran to its max_tokens"
     _plain_answered(hostile)
 
 

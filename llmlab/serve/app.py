@@ -67,6 +67,8 @@ class APIError(Exception):
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+# how often a handler looks whether its client is still there (Server.next_event)
+DISCONNECT_CHECK_S = 0.5
 
 
 def _field_name(loc) -> str | None:
@@ -222,15 +224,22 @@ class Server:
             raise _event_error(ev)
         return h
 
-    async def next_event(self, h: Handle, http: Request | None) -> Event:
-        """The next event of ``h``; aborts the request if the client disconnects."""
+    async def next_event(self, h: Handle, http: Request | None,
+                         every_s: float = DISCONNECT_CHECK_S) -> Event:
+        """The next event of ``h``; aborts the request if the client disconnects. The
+        client is looked for at most every ``every_s``, whether events are flowing (a
+        request whose tokens come faster than that would otherwise run to its max_tokens
+        for nobody) or not (a request waiting for a seat)."""
         while True:
-            try:
-                return await asyncio.wait_for(h.events.get(), 0.5)
-            except asyncio.TimeoutError:
-                if http is not None and await http.is_disconnected():
+            if http is not None and time.monotonic() - h.seen_client_at >= every_s:
+                if await http.is_disconnected():
                     self.loop.abort(h)
                     raise asyncio.CancelledError("client disconnected") from None
+                h.seen_client_at = time.monotonic()
+            try:
+                return await asyncio.wait_for(h.events.get(), every_s)
+            except asyncio.TimeoutError:
+                continue
 
 
 def _event_error(ev: Event) -> APIError:

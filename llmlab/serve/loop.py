@@ -120,6 +120,7 @@ class Handle:
     closed: bool = False                   # a final event was sent
     llm: object = None                     # the served LLM: its detokenized text
     metrics: object = None                 # ServerMetrics, if the server keeps them
+    seen_client_at: float = 0.0            # when the handler last found its client there
 
     def post(self, event: Event) -> None:
         """Put ``event`` on the handler's queue (thread-safe); nothing after a final one."""
