@@ -61,7 +61,7 @@ lab: setup
 #   test-thorough  the full matrices that `make test` samples: every kernel build for
 #                  sm_80/sm_90 (LLMLAB_COMPILE=full) and 5x the property-test examples
 test: setup
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" tests $(PYTEST_ARGS)
