@@ -243,6 +243,10 @@ def test_metrics_parse_and_count_prompt_tokens(tiny):
     assert after["llmlab_prompt_tokens_total"] - before["llmlab_prompt_tokens_total"] == 3
     assert after['llmlab_requests_finished_total{"finish_reason": "length"}'] - \
         before.get('llmlab_requests_finished_total{"finish_reason": "length"}', 0) == 1
+    assert after["llmlab_prefix_cache_queried_tokens"] - \
+        before["llmlab_prefix_cache_queried_tokens"] == 3
+    stats = tiny.app.state.server.llm.engine.cache.manager.stats
+    assert after["llmlab_prefix_cache_hit_rate"] == pytest.approx(stats.hit_rate)
 
 
 def test_engine_failure_gives_500_and_the_server_goes_on(tiny):

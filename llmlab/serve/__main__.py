@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--enable-chunked-prefill", action="store_true")
+    ap.add_argument("--prefix-cache", default="hash", choices=["hash", "radix", "none"],
+                    help="the prefix cache (default hash; radix: a token-level radix tree)")
+    ap.add_argument("--admission", default="fcfs", choices=["fcfs", "cache_aware"],
+                    help="waiting-queue order (cache_aware: longest cached prefix first)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -94,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
-              seed=args.seed)
+              seed=args.seed,
+              prefix_cache=None if args.prefix_cache == "none" else args.prefix_cache,
+              admission=args.admission)
     app = create_app(llm, args.model, max_waiting=args.max_waiting, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, max_connections=args.max_connections)
     for line in startup_warnings(args.host, args.api_key):

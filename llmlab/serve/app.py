@@ -136,7 +136,8 @@ class Server:
             AsyncEngineLoop(llm, engine_loop, max_waiting)
         lp = self.loop
         self.metrics = ServerMetrics(lambda: lp.num_running, lambda: lp.num_waiting,
-                                     lambda: lp.kv_blocks_used)
+                                     lambda: lp.kv_blocks_used,
+                                     lambda: llm.engine.cache.manager.stats)
         lp.metrics = self.metrics
 
     def close(self) -> None:

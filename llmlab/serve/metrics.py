@@ -1,7 +1,9 @@
 """Prometheus metrics of the server (``GET /metrics``, text exposition format).
 
-Gauges are read when scraped: requests running and waiting, and KV blocks referenced by
-live sequences (blocks held only by the prefix cache count as free). Histograms take one
+Gauges are read when scraped: requests running and waiting, KV blocks referenced by
+live sequences (blocks held only by the prefix cache count as free), and the prefix
+cache's hit rate (prompt tokens served from it over prompt tokens looked up, notebook
+13). Histograms take one
 observation per finished completion: TTFT, TPOT and end-to-end latency, measured on the
 engine clock from the request's arrival. Counters add up prompt and generated tokens and
 finished requests by reason. Each server has its own registry, so two servers in one
@@ -25,7 +27,7 @@ class ServerMetrics:
     """The server's metrics in their own registry; ``render()`` gives the scrape body."""
 
     def __init__(self, running: Callable[[], int], waiting: Callable[[], int],
-                 kv_blocks_used: Callable[[], int]):
+                 kv_blocks_used: Callable[[], int], prefix_cache: Callable | None = None):
         self.registry = r = CollectorRegistry()
         Gauge("llmlab_requests_running", "Requests with a seat in the running batch",
               registry=r).set_function(running)
@@ -33,6 +35,15 @@ class ServerMetrics:
               registry=r).set_function(waiting)
         Gauge("llmlab_kv_blocks_used", "KV-cache blocks referenced by live sequences",
               registry=r).set_function(kv_blocks_used)
+        if prefix_cache is not None:    # () -> the block manager's PrefixCacheStats
+            Gauge("llmlab_prefix_cache_hit_rate", "Prompt tokens served from the prefix "
+                  "cache over prompt tokens looked up, since start",
+                  registry=r).set_function(lambda: prefix_cache().hit_rate)
+            Gauge("llmlab_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                  "prefix cache, since start", registry=r).set_function(
+                      lambda: prefix_cache().queries)
+            Gauge("llmlab_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
+                  "cache, since start", registry=r).set_function(lambda: prefix_cache().hits)
         self.ttft = Histogram("llmlab_time_to_first_token_seconds",
                               "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("llmlab_time_per_output_token_seconds",
