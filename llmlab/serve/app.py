@@ -50,6 +50,8 @@ from .loop import AsyncEngineLoop, EngineLoop, Event, Handle, Refused
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, completion_choice,
                        error_body, new_id, response_body, sampling_kwargs, usage)
+from .tools import (FieldError, new_call_id, structured_request, tool_call_deltas,
+                    tool_call_message, tool_plan, ToolCallStreamParser)
 
 
 class APIError(Exception):
@@ -202,6 +204,12 @@ class Server:
                            f"{self.max_model_len} tokens and the prompt takes {len(ids)}, so at "
                            f"most {room} may be generated", name, code="context_length_exceeded")
         try:
+            structured = structured_request(req)
+        except FieldError as e:
+            raise APIError(400, str(e), e.param) from None
+        if structured is not None:
+            kw["structured"] = structured
+        try:
             return SamplingParams(**kw)
         except TypeError as e:               # a field this engine's SamplingParams lacks
             name = next((k for k in kw if f"'{k}'" in str(e)), None)
@@ -348,11 +356,13 @@ async def _handle(server: Server, req, http: Request, chat: bool):
         raise APIError(400, "echo: not supported by this server", "echo")
     text, ids = await (server.chat_prompt(req) if chat else server.completion_prompt(req))
     params = server.params(req, ids, param)
+    plan = tool_plan(req) if chat else None
     h = await server.submit(ids, params, text, http, param)
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
-        return StreamingResponse(stream_events(server, h, req, rid, chat),
-                                 media_type="text/event-stream")
+        events = (tool_stream_events(server, h, req, rid) if plan is not None and plan.constrained
+                  else stream_events(server, h, req, rid, chat))
+        return StreamingResponse(events, media_type="text/event-stream")
     try:
         while (ev := await server.next_event(h, http)).kind == "token":
             pass
@@ -361,7 +371,46 @@ async def _handle(server: Server, req, http: Request, chat: bool):
             server.loop.abort(h)
     if ev.kind != "done":
         raise _event_error(ev)
-    return await full_response(server, req, ev.output, rid, chat)
+    body = await full_response(server, req, ev.output, rid, chat)
+    return body if plan is None else tool_call_message(body, plan)
+
+
+async def tool_stream_events(server: Server, h: Handle, req, rid: str):
+    """The SSE body of a chat request whose output is a constrained tool call: per
+    completion, OpenAI's ``delta.tool_calls`` chunks (the id, type and name first, then
+    the arguments piece by piece, :class:`~llmlab.serve.tools.ToolCallStreamParser`),
+    finish_reason ``"tool_calls"``, then ``[DONE]``."""
+    chunk = lambda choices, used=None: _sse(response_body(      # noqa: E731
+        rid, server.model_name, choices, used, True, chunk=True))
+    parsers = [ToolCallStreamParser() for _ in range(h.params.n)]
+    ids = [new_call_id() for _ in range(h.params.n)]
+    try:
+        for i in range(h.params.n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": None},
+                          "logprobs": None, "finish_reason": None}])
+        while True:
+            ev = await h.events.get()
+            if ev.kind == "token":
+                for delta in tool_call_deltas(parsers[ev.index], ev.text, ids[ev.index]):
+                    yield chunk([{"index": ev.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}])
+                if ev.finish_reason:
+                    why = "tool_calls" if ev.finish_reason == "stop" else ev.finish_reason
+                    yield chunk([{"index": ev.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": why}])
+            elif ev.kind == "done":
+                if req.include_usage:
+                    out = ev.output
+                    yield chunk([], usage(len(out.prompt_token_ids),
+                                          sum(len(c.token_ids) for c in out.outputs)))
+                break
+            elif ev.kind in ("error", "rejected"):
+                yield _sse(error_body(ev.message, ev.param, "server_error", ev.code))
+                break
+        yield _sse("[DONE]")
+    finally:
+        if not h.closed:
+            server.loop.abort(h)
 
 
 # -- the limits checked before a route runs ----------------------------------------------------

@@ -52,6 +52,12 @@ class _Request(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
     user: str | None = None
+    # vLLM's guided decoding (llmlab.serve.tools turns them into SamplingParams.structured)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = Field(None, max_length=4096)
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
+                             Field(min_length=1, max_length=256)] | None = None
+    guided_decoding_backend: Literal["auto", "llmlab", "llguidance"] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -77,12 +83,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``. ``logprobs`` is a switch here and ``top_logprobs``
     (0..20) the count, as in the chat API; ``max_completion_tokens`` is the newer name of
-    ``max_tokens``."""
+    ``max_tokens``. ``response_format``, ``tools`` and ``tool_choice``: structured outputs
+    and tool calls (:mod:`llmlab.serve.tools`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
 
 def sampling_kwargs(req: _Request, default_max_tokens: int) -> dict:

@@ -187,10 +187,31 @@ def coerce_spec(structured) -> StructuredSpec | None:
     spec = StructuredSpec(kind, value, backend)
     if backend == "llmlab":
         spec_to_regex(spec)                   # UnsupportedSchema now, not at run time
+    elif kind == "json_schema":
+        try:
+            if backend == "auto":
+                spec_to_regex(spec)
+                return spec                   # llmlab's own backend will compile it
+        except UnsupportedSchema:
+            pass
+        _check_with_library(value)
     if backend == "llmlab" and kind == "json_object":
         raise UnsupportedSchema("structured json_object (any JSON object) is not a regular "
                                 "language: use backend 'llguidance' or 'auto'")
     return spec
+
+
+def _check_with_library(schema: dict) -> None:
+    """The library's own check of a schema it will compile (milliseconds, no tokenizer):
+    ValueError with its message (a bad ``$ref``, a pattern that is not a regex, ...)."""
+    try:
+        import llguidance
+    except ImportError:
+        return
+    errors = llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema(schema))
+    if errors:
+        raise ValueError(f"structured json_schema does not compile: {errors.strip()}")
 
 
 def spec_to_regex(spec: StructuredSpec) -> str:
