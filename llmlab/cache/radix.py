@@ -172,7 +172,8 @@ class RadixCache:
         if not tokens:
             raise ValueError("a leaf needs at least one token")
         if tokens[0] in parent.children:
-            raise ValueError(f"the node already has a child starting with token {tokens[0]}")
+            raise ValueError(f"the node already has a child starting with token {tokens[0]}; "
+                             "split that child where the tokens stop agreeing instead")
         bs, start = self.block_size, parent.end
         end = start + len(tokens)
         if len(table) < -(-end // bs):
