@@ -120,3 +120,50 @@ def test_simulated_sessions_count_what_the_cache_saves():
     tight = simulate_sessions(sessions(4, 4), cost, prefix_cache="radix", num_blocks=20,
                               block_size=4)
     assert tight.hit_rate < runs["radix"].hit_rate and len(tight.turns) == 16
+
+
+def test_the_widget_callback_and_figures_draw_from_the_runs():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from llmlab.viz.prefix import explore_prefix_cache, plot_session_runs, tree_text
+
+    cost = StepCost(20.0, 1.0, 5.0, 0, 0.0)
+    fig = explore_prefix_cache(sessions(3, 3), cost, num_blocks=40, policy="radix",
+                               block_size=4)
+    assert "radix: hit rate" in fig._suptitle.get_text() and "(model)" in fig._suptitle.get_text()
+    with pytest.raises(ValueError, match="policy='lru'; allowed"):
+        explore_prefix_cache(sessions(), cost, 40, policy="lru", block_size=4)
+    runs = {m: simulate_sessions(sessions(), cost, prefix_cache=m, num_blocks=64, block_size=4)
+            for m in (None, "radix")}
+    fig2 = plot_session_runs(runs)
+    assert "step-cost model" in fig2._suptitle.get_text()
+    plt.close("all")
+    bm = BlockManager(16, 4, prefix_cache="radix")
+    bm.allocate("a", [1, 2, 3, 4, 5, 6])
+    bm.mark_computed("a", 6)
+    bm.free("a")
+    # the full block entered while it ran, the partial tail when it was freed
+    assert tree_text(bm.radix).splitlines() == ["[0:4] lock 0 blocks [0]  '[1, 2, 3, 4]'",
+                                                "  [4:6] lock 0 blocks [1]  '[5, 6]'"]
+
+
+@pytest.mark.slow
+def test_smollm2_multi_turn_with_radix_gives_the_tokens_of_no_cache(smollm2, tokenizer):
+    from llmlab.engine.sessions import sessions_of
+    from llmlab.traces import load_trace
+
+    trace = sessions_of(load_trace("multiturn_chat", tokenizer=tokenizer))[:3]
+    few = [Session(s.id, [Turn(t.token_ids, 8, 0.0) for t in s.turns[:3]]) for s in trace]
+    runs = {}
+    for mode in (None, "radix"):
+        llm = LLM(smollm2, tokenizer, prefix_cache=mode, block_size=16, num_blocks=128,
+                  admission="cache_aware" if mode else "fcfs")
+        runs[mode] = run_sessions(llm, few, time_scale=0.0)
+        llm.engine.cache.manager.check_invariants()
+    tokens = {m: sorted((t.session, t.turn, t.output_token_ids) for t in r.turns)
+              for m, r in runs.items()}
+    assert tokens["radix"] == tokens[None] and len(tokens[None]) == 9
+    assert runs["radix"].computed_share < 0.5 < runs[None].computed_share
