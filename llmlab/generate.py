@@ -349,7 +349,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     :class:`llmlab.cache.StaticKVCache` (``kv_cache="static"``, fixed shapes, the default
     then); the first call of a batch size compiles (notebook 11, :mod:`llmlab.compile`).
     ``structured``: constrain every output to a grammar, as ``SamplingParams.structured``
-    (``{"regex": ...}``, ``{"json_schema": ...}``, ``{"choice": [...]}``; notebook 12).
+    (``{"regex": ...}``, ``{"json_schema": ...}``, ``{"choice": [...]}``; notebook 12), or
+    a grammar compiled already (anything with ``.matcher()``, :mod:`llmlab.structured`).
     """
     check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
     penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -367,7 +368,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 32, temperature: f
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     grammar = None
-    if structured is not None:
+    if structured is not None and hasattr(structured, "matcher"):
+        grammar = structured                  # a grammar compiled already (notebook 12's)
+    elif structured is not None:
         from .structured import compile_grammar
 
         grammar = compile_grammar(structured, tokenizer, cfg.vocab_size, eos)
