@@ -181,6 +181,13 @@ class RadixCache:
         blocks = list(table[start // bs:(end - 1) // bs + 1])
         for b in blocks:
             self.allocator.incref(b)
+        if start % bs and parent.blocks[-1] != blocks[0]:
+            # the leaf's first block is a copy of the parent's last one (same K/V before
+            # ``start``): the parent takes the copy too, so the tree keeps one block there
+            self.allocator.incref(blocks[0])
+            if self.allocator.decref(parent.blocks[-1]) == 0:
+                self.evictions += 1
+            parent.blocks[-1] = blocks[0]
         leaf = RadixNode(list(tokens), start, blocks, parent)
         parent.children[tokens[0]] = leaf
         return leaf

@@ -174,7 +174,8 @@ def run_sessions(llm, sessions: Seq[Session], *, time_scale: float = 1.0) -> Ses
 
 
 def simulate_sessions(sessions: Seq[Session], cost, *, prefix_cache="radix",
-                      admission: str = "fcfs", num_blocks: int = 256, block_size: int = 16,
+                      admission: str = "fcfs", max_overtakes: int = 8,
+                      num_blocks: int = 256, block_size: int = 16,
                       max_num_seqs: int = 8, max_num_batched_tokens: int = 2048,
                       max_model_len: int = 8192, time_scale: float = 1.0,
                       max_steps: int = 200_000) -> SessionRun:
@@ -186,7 +187,7 @@ def simulate_sessions(sessions: Seq[Session], cost, *, prefix_cache="radix",
     engine would. Hit rate and computed tokens are the real cache's; TTFT is the model's.
     """
     config = SchedulerConfig("continuous", max_num_seqs, max_num_batched_tokens,
-                             max_model_len, admission=admission)
+                             max_model_len, admission=admission, max_overtakes=max_overtakes)
     bm = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
     sched = Scheduler(config, bm)
     fresh = itertools.count(1_000_000)

@@ -41,8 +41,8 @@ def plot_session_runs(runs: dict[str, SessionRun], title: str | None = None):
         t = np.array([r.ttft_s for r in runs[n].turns]) * 1e3
         b.plot(i + rng.uniform(-0.15, 0.15, len(t)), t, ".", alpha=0.5, color="C0")
         for q, m in ((0.5, "_"), (0.9, "v")):
-            b.plot([i], [runs[n].ttft(q) * 1e3], m, color="C3", ms=12,
-                   label=f"p{int(q * 100)}" if i == 0 else None)
+            b.plot([i], [runs[n].ttft(q) * 1e3], m, color="C3", ms=22 if m == "_" else 10,
+                   mew=2, label=f"p{int(q * 100)}" if i == 0 else None)
     b.set_xticks(x, names)
     b.set_ylabel("TTFT (ms)")
     b.set_title("time to first token, per turn")
