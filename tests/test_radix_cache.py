@@ -190,3 +190,21 @@ def test_random_operations_keep_every_computed_token_intact(mode):
     if bm.radix is not None:
         shadow.check_tree()
         assert partial > 50 and bm.radix.evictions > 10
+
+
+def test_a_conversation_keeps_one_block_per_position():
+    """Turn 2 extends turn 1's partly filled last block (copied on write); once turn 2 fills
+    it, the tree keeps the copy only: one block per logical block of the conversation."""
+    bm = BlockManager(16, 4, prefix_cache="radix")
+    turn1 = list(range(10))                       # blocks of 4: the last one holds 2 tokens
+    bm.allocate("t1", turn1)
+    bm.mark_computed("t1", 10)
+    bm.free("t1")
+    turn2 = turn1 + [50, 51, 52, 53, 54]
+    assert bm.allocate("t2", turn2) == 10 and len(bm.take_copies()) == 1
+    bm.mark_computed("t2", 15)                    # blocks 0..2 full: block 2 enters the tree
+    bm.free("t2")
+    held = {b for n in bm.radix.nodes() for b in n.blocks}
+    assert len(held) == 4 == -(-15 // 4)          # not 5: turn 1's tail block went back
+    assert bm.allocator.num_free == 16 - 4
+    bm.check_invariants()
