@@ -425,18 +425,18 @@ class BlockManager:
     def _radix_route(self, tokens: Sequence[int]) -> tuple[bool | None, int]:
         """Radix: (use the match?, blocks it takes from the free count); (None, blocks
         needed without a match) when neither fits. The match's nodes are locked before
-        anything is evicted, so they count as kept; when that leaves too few blocks the
-        prompt is taken without its match (as the hash cache would evict its hits)."""
+        anything is evicted, so their blocks cannot be reclaimed for the prompt's fresh
+        ones; when that leaves too few, the prompt may still fit without its match."""
         tokens = list(tokens)
         total = self._blocks_for(len(tokens))
         m = self.radix.longest_prefix(tokens[:-1])
         free = self.allocator.num_free
         evictable = self.radix.evictable_blocks()
         if m:
-            kept = self.radix.evictable_blocks(self.radix.prefix_blocks(tokens[:m]))
+            rest = self.radix.evictable_blocks(self.radix.prefix_blocks(tokens[:m]))
             fresh = total - m // self.block_size
-            if fresh <= free + kept:
-                return True, fresh + evictable - kept
+            if fresh <= free + rest:
+                return True, fresh + evictable - rest
         if total <= free + evictable:
             return False, total
         return None, total
