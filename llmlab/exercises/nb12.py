@@ -277,14 +277,15 @@ _BOUNDARY_CHOICES = {
     "c": "Because a token carries several characters: one that starts right can break the "
          "pattern further in, and where it ends decides the next state.",
     "d": "Because only the last character of a token is ever checked against the grammar, "
-         "and the first one is ignored by the sampler.",
+         "and the sampler ignores the first one, so a first-character mask would in fact "
+         "check nothing at all.",
 }
 _BOUNDARY_EXPLANATIONS = {
     "a": "The tokens are fixed once sampled; nothing merges them afterwards. The problem is "
          "inside one token.",
     "b": "The DFA works per character; a token is walked through as many states as it has "
          "characters. That walk is exactly what the table stores.",
-    "c": "Right: '\",' fits after a string and goes on into the separator; 'Ġ\"x' starts with "
+    "c": "Right: '\",' fits after a string and goes on into the separator; ' \"x' starts with "
          "a space the pattern may not allow. A token is allowed only if all of its characters "
          "fit, and the next token starts where its last character left the DFA.",
     "d": "Every character is checked; the question is why checking only the first would be "
@@ -308,7 +309,7 @@ _STREAM_CHOICES = {
     "a": 'the arguments exactly: {"city":"Paris","unit":"celsius"}',
     "b": 'the arguments and one more "}" after them, which is not JSON',
     "c": 'the arguments without their final "}"',
-    "d": "nothing at all until the stream ends",
+    "d": "nothing at all until the stream ends, and then the whole call, name and all, at once",
 }
 
 
