@@ -52,7 +52,10 @@ def run_trace(model, tok, trace: str, *, repeats: int, num_blocks: int | None,
             llm = LLM(model, tok, prefix_cache=cache, admission=admission,
                       max_overtakes=max_overtakes, num_blocks=num_blocks,
                       block_size=block_size, max_num_seqs=max_num_seqs)
-            runs[name].append(run_sessions(llm, sessions, time_scale=time_scale))
+            run = run_sessions(llm, sessions, time_scale=time_scale)
+            runs[name].append(run)
+            print(f"   {trace} run {r + 1}/{repeats} {name:17s}: {run.wall_s:6.1f} s, "
+                  f"{run.computed_prompt_tokens} prompt tokens computed", flush=True)
     return runs
 
 
