@@ -344,6 +344,12 @@ def split_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     return tile_m, tile_n
 
 
+def split_warps(dtype: torch.dtype, head_dim: int) -> int:
+    """Warps per program of the split kernel: 4, or 8 for float32 at head_dim 256, whose
+    16-key tile still needs 168 registers on 4 warps and spills 8 bytes on sm_90."""
+    return 8 if dtype == torch.float32 and head_dim >= 256 else 4
+
+
 def paged_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cache_seqlens: torch.Tensor, block_table: torch.Tensor,
                           num_splits: int, softmax_scale: float | None = None,
@@ -397,7 +403,7 @@ def paged_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         scale, seq_q, kv_heads, heads, rows,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), PRECISION=precision,
-        UPCAST=upcast,
+        UPCAST=upcast, num_warps=split_warps(q.dtype, head_dim),
     )
     out = torch.empty(rows, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, dtype=torch.float32, device=q.device)

@@ -270,15 +270,16 @@ def paged_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64, blo
 
 def paged_split_spec(arch: str = "sm_90", dtype: str = "bf16", head_dim: int = 64,
                      block_size: int = 16, group: int = 3, causal: bool = True,
-                     num_warps: int = 4, num_stages: int = 3) -> BuildSpec:
+                     num_warps: int | None = None, num_stages: int = 3) -> BuildSpec:
     """A build of split-KV decode's first kernel (partials and their log-sum-exp), with the
-    wrapper's tile (:func:`llmlab.kernels.paged_attn.split_tile`); arguments as
-    :func:`paged_spec`."""
+    wrapper's tile and warps (:func:`llmlab.kernels.paged_attn.split_tile`,
+    :func:`~llmlab.kernels.paged_attn.split_warps`); arguments as :func:`paged_spec`."""
     import torch
 
     from . import paged_attn
-    tile = paged_attn.split_tile({"fp16": torch.float16, "bf16": torch.bfloat16,
-                                  "fp32": torch.float32}[dtype], head_dim)
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    tile = paged_attn.split_tile(torch_dtype, head_dim)
+    num_warps = num_warps or paged_attn.split_warps(torch_dtype, head_dim)
     base = paged_spec(arch, dtype, head_dim, block_size, group, *tile, causal=causal,
                       num_warps=num_warps, num_stages=num_stages)
     return BuildSpec("paged_split", arch, dtype, base.constants, num_warps, num_stages,
@@ -570,12 +571,14 @@ WIDGET_TILES = {
     "flash": {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128),
               "head_dim": (64, 128, 256), "num_warps": (4, 8)},
     "paged": {"block_size": (1, 2, 4, 8, 16, 32, 64, 128, 256), "head_dim": (64,)},
+    "paged_split": {"block_size": (16,), "head_dim": (64, 128)},     # notebook 13's model
     "moe": {"block_m": (16, 32, 64, 128), "block_n": (64, 128, 256), "block_k": (32, 64)},
 }
 WIDGET_DTYPES = ("bf16", "fp16")
 WIDGET_TABLE = Path(__file__).resolve().parent.parent / "data" / "kernel_builds.json"
 CHIP_ARCH = {"A100": "sm_80", "H100": "sm_90", "H200": "sm_90"}   # llmlab.profiling.hbm.CHIPS
-_SPEC_FUNCTIONS = {"flash": flash_spec, "paged": paged_spec, "moe": moe_spec}
+_SPEC_FUNCTIONS = {"flash": flash_spec, "paged": paged_spec, "paged_split": paged_split_spec,
+                   "moe": moe_spec}
 
 
 class MissingBuild(KeyError):
@@ -595,18 +598,26 @@ def widget_tiles(kernel: str) -> list[dict]:
             for values in itertools.product(*(WIDGET_TILES[kernel][n] for n in names))]
 
 
-def widget_specs(archs=tuple(ARCHS), dtypes=WIDGET_DTYPES) -> list[tuple[dict, BuildSpec]]:
-    """(tile, spec) for every widget tile of every kernel, on each arch and dtype."""
+def widget_specs(archs=tuple(ARCHS), dtypes=WIDGET_DTYPES,
+                 kernels=tuple(WIDGET_TILES)) -> list[tuple[dict, BuildSpec]]:
+    """(tile, spec) for every widget tile of ``kernels``, on each arch and dtype."""
     return [(tile, _SPEC_FUNCTIONS[kernel](arch, dtype, **tile))
-            for kernel in WIDGET_TILES for arch in archs for dtype in dtypes
+            for kernel in kernels for arch in archs for dtype in dtypes
             for tile in widget_tiles(kernel)]
 
 
-def write_widget_table(path: str | Path = WIDGET_TABLE, jobs: int | None = None) -> dict:
+def write_widget_table(path: str | Path = WIDGET_TABLE, jobs: int | None = None,
+                       kernels: list[str] | None = None) -> dict:
     """Build every widget tile (:func:`widget_specs`) and write the table the notebooks read:
-    metadata, then per build its tile, its spec and what the cubin uses. Returns the table."""
+    metadata, then per build its tile, its spec and what the cubin uses. Returns the table.
+
+    ``kernels``: rebuild only these kernels' tiles and keep the other entries of the table
+    at ``path`` (a kernel added to :data:`WIDGET_TILES` without rebuilding the rest)."""
     import triton
-    todo = widget_specs()
+    unknown = [k for k in kernels or () if k not in WIDGET_TILES]
+    if unknown:
+        raise ValueError(f"kernels {unknown}; allowed: {list(WIDGET_TILES)}")
+    todo = widget_specs(kernels=tuple(kernels or WIDGET_TILES))
     order = sorted(range(len(todo)), key=lambda i: -_build_cost(todo[i][1]))   # slow ones first
     built = dict(zip(order, build_all([todo[i][1] for i in order], jobs)))
     entries = [{"tile": tile, "spec": asdict(spec),
@@ -614,6 +625,14 @@ def write_widget_table(path: str | Path = WIDGET_TABLE, jobs: int | None = None)
                            "shared_bytes": b.shared_bytes, "tensor_core_ops": b.tensor_core_ops,
                            "compile_seconds": b.compile_seconds}}
                for i, (tile, spec) in enumerate(todo) for b in [built[i]]]
+    old = json.loads(Path(path).read_text()) if kernels else None
+    if old is not None:
+        if old["meta"]["triton"] != triton.__version__:
+            raise ValueError(f"the table was built with Triton {old['meta']['triton']}, this is "
+                             f"{triton.__version__}: rebuild all of it (no kernels=)")
+        kept = [e for e in old["builds"] if e["spec"]["kernel"] not in kernels]
+        entries = [e for k in WIDGET_TILES
+                   for e in kept + entries if e["spec"]["kernel"] == k]
     table = {"meta": {"what": "Triton kernels compiled ahead of time on a CPU-only machine for "
                               "A100 (sm_80) and H100 (sm_90); never run on a GPU",
                       "command": "python -m llmlab.kernels.report --widget-table "
@@ -621,6 +640,10 @@ def write_widget_table(path: str | Path = WIDGET_TABLE, jobs: int | None = None)
                       "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
                       "archs": {a: ARCHS[a].gpu for a in ARCHS}, "widget_tiles": WIDGET_TILES},
              "builds": entries}
+    if old is not None:        # the rest of the table keeps its date; say what was added when
+        table["meta"]["date"] = old["meta"]["date"]
+        table["meta"]["rebuilt"] = {**old["meta"].get("rebuilt", {}),
+                                    **{k: time.strftime("%Y-%m-%d") for k in kernels}}
     text = json.dumps(table, indent=None, separators=(",", ":"))
     Path(path).write_text(text.replace(',{"tile"', ',\n{"tile"') + "\n")
     _load_table.cache_clear()
@@ -763,11 +786,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widget-table", metavar="PATH",
                    help="build every tile the notebook widgets offer (WIDGET_TILES) and write "
                         "the table they read (data/kernel_builds.json)")
+    p.add_argument("--widget-kernels", nargs="+", choices=list(WIDGET_TILES), default=None,
+                   help="with --widget-table: rebuild only these kernels' tiles, keep the rest")
     p.add_argument("--stdin", action="store_true", help=argparse.SUPPRESS)  # specs as JSON lines
     args = p.parse_args(argv)
     if args.widget_table:
         start = time.perf_counter()
-        written = write_widget_table(args.widget_table, args.jobs)
+        written = write_widget_table(args.widget_table, args.jobs, args.widget_kernels)
         print(f"{len(written['builds'])} builds in {time.perf_counter() - start:.0f} s -> "
               f"{args.widget_table}")
         return 0
