@@ -4,7 +4,6 @@ and the bytes of a KV cache per token for MHA, GQA, MLA and a window."""
 import pytest
 import torch
 
-import llmlab
 from llmlab.cache.sinks import (SinkKVCache, rope, sink_window_attention, streaming_nll,
                                 streaming_perplexity, visible)
 from llmlab.layers.rotary import inverse_frequencies
@@ -51,7 +50,8 @@ def test_visible_keys():
 
 
 def test_chunks_equal_one_token_at_a_time_and_full_equals_the_model(tiny):
-    ids = torch.randint(0, tiny.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny.config.vocab_size, (16,), generator=g)
     with torch.inference_mode():
         logits = tiny(ids[None]).float()
     plain = torch.nn.functional.cross_entropy(logits[0, :-1], ids[1:], reduction="none")
@@ -98,7 +98,7 @@ def test_kv_bytes_calculator():
 
     smol = kv_bytes("smollm2-135m")
     assert smol.scheme == "gqa" and smol.per_token == 2 * 30 * 3 * 64 * 2 == 23040
-    config = ModelConfig.from_file(model_dir("smollm2-135m") / "config.json")   # the shipped numbers
+    config = ModelConfig.from_file(model_dir("smollm2-135m") / "config.json")   # as shipped
     shape = MODELS["smollm2-135m"]
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == \
         (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)

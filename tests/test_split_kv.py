@@ -5,7 +5,6 @@ import functools
 import pytest
 import torch
 
-import llmlab
 from llmlab import attention as A
 from llmlab.attention.paged import paged_attention_reference, paged_attention_triton
 from llmlab.attention.split_kv import (choose_num_splits, merge_partials,
@@ -20,7 +19,8 @@ LENS = [7, 70, 1, 33, 2]          # ragged: none a multiple of the block size or
 
 def _case(seq_q, heads=6, kv_heads=2, head_dim=16, block_size=16, seed=0):
     k_cache, v_cache, table, seqlens, _ = make_paged(LENS, block_size, kv_heads, head_dim, seed)
-    q = torch.randn(len(LENS), seq_q, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(LENS), seq_q, heads, head_dim, generator=g)
     return q, k_cache, v_cache, table, seqlens
 
 
@@ -70,6 +70,7 @@ def test_wrong_merges_are_wrong():
 
 def test_reference_backend_in_the_registry():
     assert {"paged_split", "paged_triton_split"} <= set(A.paged_backends())
+    assert A.get("paged_split").with_kvcache is paged_attention_split_reference
     q, k_cache, v_cache, table, seqlens = _case(1)
     out = A.get("paged_split").with_kvcache(q, k_cache, v_cache, seqlens, table)
     ref = paged_attention_reference(q, k_cache, v_cache, seqlens, table)
@@ -157,8 +158,8 @@ def test_engine_greedy_tokens_with_forced_splits(tiny, tiny_tok):
         prompts = ["hello there", "a much longer prompt with more words in it"]
         want = [o.outputs[0].token_ids for o in
                 LLM(tiny, tokenizer=tiny_tok, paged_attention="paged").generate(prompts, params)]
-        got = [o.outputs[0].token_ids for o in
-               LLM(tiny, tokenizer=tiny_tok, paged_attention="test_split3").generate(prompts, params)]
+        split = LLM(tiny, tokenizer=tiny_tok, paged_attention="test_split3")
+        got = [o.outputs[0].token_ids for o in split.generate(prompts, params)]
     finally:
         A.unregister("test_split3")
     assert got == want

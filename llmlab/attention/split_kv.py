@@ -56,9 +56,10 @@ def split_bounds(length: int, num_splits: int, tile: int = 1) -> list[tuple[int,
     ``ceil(ceil(length / tile) / num_splits)`` tiles, the last ones fewer or none (then
     ``lo == hi``). The Triton kernel uses this rule with ``tile = BLOCK_N``.
     """
-    for name, value in (("length", length), ("num_splits", num_splits), ("tile", tile)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "length" else 1):
-            raise ValueError(f"{name}={value!r} must be an int >= {0 if name == 'length' else 1}")
+    for name, value, low in (("length", length, 0), ("num_splits", num_splits, 1),
+                             ("tile", tile, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
     per_split = -(-(-(-length // tile)) // num_splits) * tile
     return [(min(s * per_split, length), min((s + 1) * per_split, length))
             for s in range(num_splits)]

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-TEXTS = (ROOT / "data" / "text" / "calibration_prose.md", ROOT / "data" / "text" / "memory_hierarchy.md")
+TEXTS = (ROOT / "data" / "text" / "calibration_prose.md",
+         ROOT / "data" / "text" / "memory_hierarchy.md")
 SWEEP_FILE = ROOT / "data" / "long_context" / "sinks_sweep.json"
 BIN = 32          # tokens per bin of the loss-along-the-text curve
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     import llmlab
     from ..device import describe
 
-    p = argparse.ArgumentParser(prog="python -m llmlab.bench sinks", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llmlab.bench sinks",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--windows", type=int, nargs="+", default=[32, 64, 128, 256])
     p.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 4, 8])
