@@ -730,7 +730,7 @@ class _StudentSinksCache:
         return self.fn(q, k, v, self.sinks, self.window, self.rope)
 
 
-_SINK_TEXT_TOKENS = 40
+_SINK_TEXT_TOKENS = 32
 _SINK_SETTING = (2, 12)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from ..attention.split_kv import choose_num_splits, split_occupancy
 
@@ -50,7 +51,8 @@ def plot_split_occupancy(cases: dict[str, tuple[int, int, int]], num_sms: int = 
     ax[1].set_ylabel("step time / unsplit step")
     ax[0].set_title(f"model: {chip}, {num_sms} SMs × {blocks_per_sm} programs = {slots} slots",
                     fontsize=9)
-    ax[1].set_title("model: waves × keys per split + merge (★ = chosen)", fontsize=9)
+    ax[1].set_title("model: waves × keys per split + merge (★: FlashAttention-2's rule)",
+                    fontsize=9)
     ax[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -87,6 +89,12 @@ def plot_sinks_sweep(sweep: dict, window: int, sinks: int, live: list[dict] = ()
                    mec="k", mew=1.5)
     ax[0].set_xscale("log", base=2)
     ax[0].set_yscale("log")
+    ax[0].yaxis.set_major_formatter(ScalarFormatter())
+    ax[0].yaxis.set_minor_formatter(NullFormatter())
+    low, high = ax[0].get_ylim()
+    ax[0].set_yticks([t for t in (10, 15, 20, 30, 50, 70, 100, 150, 200, 300, 500)
+                      if low <= t <= high])
+    ax[0].set_xticks(windows, [str(w) for w in windows])
     ax[0].set_xlabel("window (recent tokens kept)")
     ax[0].set_ylabel(f"perplexity, tokens {sweep['skip']}..{sweep['tokens'] - 1}")
     ax[0].legend(fontsize=8)
