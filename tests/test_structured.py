@@ -313,3 +313,59 @@ def test_generate_structured_paths_agree():
     assert all(re.fullmatch("[0-9]{3}-[a-z]{2,4}", g.text) for r in runs for g in r)
     assert [g.token_ids for g in runs[0]] == [g.token_ids for g in runs[1]] == \
         [g.token_ids for g in runs[2]]
+
+
+# ---- SmolLM2: every sampled output validates ----------------------------------------------------
+
+VALIDITY_SCHEMAS = [
+    ("llmlab", "Describe a person as JSON.",
+     {"type": "object", "additionalProperties": False,
+      "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+      "required": ["name", "age"]}),
+    ("llmlab", "Give a point on a map with a label, as JSON.",
+     {"type": "object", "additionalProperties": False,
+      "properties": {"point": {"type": "object", "additionalProperties": False,
+                               "properties": {"x": {"type": "integer"}, "y": {"type": "number"}},
+                               "required": ["x", "y"]},
+                     "tags": {"type": "array", "items": {"enum": ["red", "blue", None, 1]},
+                              "maxItems": 2}},
+      "required": ["point", "tags"]}),
+    ("llguidance", "Is it raining? Answer as JSON.",
+     {"type": "object", "additionalProperties": False,
+      "properties": {"raining": {"type": "boolean"},
+                     "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+      "required": ["raining", "city"]}),
+    ("auto", "Rate a film from 1 to 5 as JSON.",       # minimum/maximum: the library's
+     {"type": "object", "additionalProperties": False,
+      "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                     "word": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+      "required": ["stars", "word"]}),
+]
+
+
+@pytest.mark.slow
+def test_smollm2_sampled_outputs_all_validate(smollm2, tokenizer):
+    """200 completions at temperature 1 over four schemas (two on llmlab's automaton, two on
+    llguidance), batched in the engine: every one ends by the grammar and validates."""
+    import jsonschema
+
+    llm = LLM(smollm2, tokenizer, max_num_seqs=40)
+    convs, params, schemas = [], [], []
+    for backend, question, schema in VALIDITY_SCHEMAS:
+        for variant in range(5):
+            convs.append([{"role": "user", "content": f"{question} (example {variant + 1})"}])
+            params.append(SamplingParams(n=10, temperature=1.0, max_tokens=80, seed=variant,
+                                         structured={"json_schema": schema, "backend": backend}))
+            schemas.append(schema)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    checked = 0
+    for out, schema in zip(outs, schemas):
+        for c in out.outputs:
+            # a grammar with no bound on a number's digits could, in principle, run out of
+            # max_tokens: 80 tokens hold far more than these schemas ever need
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            jsonschema.validate(json.loads(c.text), schema)
+            checked += 1
+    assert checked == 200
+    assert len({c.text for o in outs for c in o.outputs}) > 50      # sampled, not one answer
