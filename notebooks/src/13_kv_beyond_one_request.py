@@ -418,9 +418,11 @@ from llmlab.kernels.paged_attn import paged_attention_split
 
 want = paged_attention_reference(q, k_pool, v_pool, seqlens, table)
 merged, _ = merge_partials(o_parts, lse_parts)
-unsplit = paged_attention_triton(q, k_pool, v_pool, seqlens, table)
-split4, lse4, _, _ = paged_attention_split(q, k_pool, v_pool, seqlens, table, 4,
-                                           return_partials=True)
+kernel_device = "cuda" if torch.cuda.is_available() else "cpu"   # compiled there, else interpreted
+on_kernel = [t.to(kernel_device) for t in (q, k_pool, v_pool, seqlens, table)]
+unsplit = paged_attention_triton(*on_kernel).cpu()
+split4, lse4, _, _ = paged_attention_split(*on_kernel, 4, return_partials=True)
+split4, lse4 = split4.cpu(), lse4.cpu()
 print(f"PyTorch merge vs unsplit reference: max |error| < 1e-5 (float32 rounding): "
       f"{float((merged - want).abs().max()) < 1e-5}")
 print(f"Triton split (4) vs Triton unsplit: max |error| < 1e-5 (float32 rounding): "
