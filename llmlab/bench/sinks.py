@@ -2,13 +2,15 @@
 with a full cache, a sliding window alone, and the window plus attention sinks (StreamingLLM).
 
     python -m llmlab.bench sinks [--tokens 1024] [--windows 32 64 128 256] [--sinks 0 1 4 8]
-                                 [--chunk 128] [--out data/long_context/sinks_sweep.json]
+                                 [--chunk 128] [--out data/long_context/sinks_sweep.json] [--gpu]
 
 The text is ``data/text/calibration_prose.md`` followed by ``data/text/memory_hierarchy.md``
 (both written for this workbook). Every configuration is scored on the same predictions:
 those after the largest ``sinks + window`` of the sweep, where every windowed cache has
 started to evict. Prints the table and writes the sweep (perplexities and the loss along
-the text in bins) that notebook 13's widget reads. A measurement, not a test.
+the text in bins) that notebook 13's widget reads (with ``--gpu``: on CUDA in bfloat16, to
+``$LLMLAB_RESULTS`` and not over the committed CPU sweep unless ``--out`` says so). A
+measurement, not a test.
 """
 from __future__ import annotations
 
@@ -99,17 +101,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, nargs="+", default=[32, 64, 128, 256])
     p.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 4, 8])
     p.add_argument("--chunk", type=int, default=128)
-    p.add_argument("--out", type=Path, default=SWEEP_FILE)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"where to write the sweep (default {SWEEP_FILE.relative_to(ROOT)} on "
+                        "the CPU; nowhere but $LLMLAB_RESULTS with --gpu)")
+    p.add_argument("--gpu", action="store_true", help="run on CUDA (needs a GPU)")
     args = p.parse_args(argv)
-    model = llmlab.load_model("smollm2-135m", attention="sdpa")
+    if args.gpu and not torch.cuda.is_available():
+        print("sinks --gpu needs CUDA; nothing to do on this machine")
+        return 0
+    for name, values, low in (("--windows", args.windows, 1), ("--sinks", args.sinks, 0),
+                              ("--chunk", [args.chunk], 1), ("--tokens", [args.tokens], 2)):
+        if any(v < low for v in values):
+            raise ValueError(f"{name} {values}: each must be >= {low}")
+    device = "cuda" if args.gpu else "cpu"
+    model = llmlab.load_model("smollm2-135m", attention="sdpa", device=device)
     tok = llmlab.load_tokenizer("smollm2-135m")
     ids = long_text_ids(tok, args.tokens)
-    device = describe().get("device", "")
-    print(f"device: {device}, torch threads {torch.get_num_threads()}; {len(ids)} tokens")
+    device = describe().get("device", "") if not args.gpu else torch.cuda.get_device_name()
+    print(f"device: {device}, {model.dtype}, torch threads {torch.get_num_threads()}; "
+          f"{len(ids)} tokens")
     result = sweep(model, ids, args.windows, args.sinks, args.chunk)
     print(f"perplexity over predictions {result['skip']}..{len(ids) - 1} "
           f"(after the largest cache of the sweep)")
     print(table(result))
-    save(result, args.out, device)
-    print(f"-> {args.out}")
+    from ._common import save as save_results
+
+    save_results("sinks", result)
+    out = args.out if args.out is not None else (None if args.gpu else SWEEP_FILE)
+    if out is not None:
+        save(result, out, device)
+        print(f"-> {out}")
     return 0
