@@ -671,8 +671,14 @@ _SINK_EXPLANATIONS = {
           solution="c", choices=_SINK_CHOICES,
           wrong_variants={"facts": ("a", ("4 sink tokens",)),
                           "rope": ("b", ("inside the cache",))})
-def _check_explain_sinks(answer, **_) -> Verdict:
-    return choice_verdict(answer, "c", _SINK_EXPLANATIONS)
+def _check_explain_sinks(answer, alone: float | None = None, with_sinks: float | None = None,
+                         **_) -> Verdict:
+    """``alone``, ``with_sinks``: the run's perplexities over the full cache's, quoted."""
+    verdict = choice_verdict(answer, "c", _SINK_EXPLANATIONS)
+    if alone is None or with_sinks is None:
+        return verdict
+    return Verdict(verdict.passed, verdict.message + f" (This run: the window alone at "
+                   f"{alone:.2f}× the full cache's perplexity, with 4 sinks {with_sinks:.2f}×.)")
 
 
 # ---- stretch: one decode query of the sinks cache --------------------------------------------

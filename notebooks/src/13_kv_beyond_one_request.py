@@ -554,7 +554,8 @@ exercises.ask("nb13.explain_sinks")
 sinks_answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 
 # %%
-print(exercises.check("nb13.explain_sinks", sinks_answer))
+print(exercises.check("nb13.explain_sinks", sinks_answer, alone=alone_ppl / full_ppl,
+                      with_sinks=sinks_ppl / full_ppl))
 
 # %% [markdown]
 # ### Play: window × sinks
