@@ -386,7 +386,7 @@ for b, n in enumerate(lens):
 # $\sum_s w_s o_s$ is the softmax over every key, and keep every `exp` finite (the scores of a
 # real model reach the hundreds).
 #
-# The checker merges the partials above-like (4 ragged sequences, 4 splits, some of them
+# The checker merges partials like those above (4 ragged sequences, 4 splits, some of them
 # empty) against unsplit attention, then runs SmolLM2 through the paged engine with every
 # layer's decode attention split in 4 and merged by your function: the greedy tokens must be
 # the unsplit ones.
