@@ -301,7 +301,14 @@ print(exercises.check("nb13.kv_gib_128k", gib_128k))
 
 # %%
 # NBVAL_CHECK_OUTPUT
+import os
+
+import torch
+
 from llmlab.profiling.kv_memory import MODELS, kv_bytes
+
+if os.environ.get("LLMLAB_THREADS"):      # e.g. 1 on a machine whose cores are busy
+    torch.set_num_threads(int(os.environ["LLMLAB_THREADS"]))
 
 print(f"{'model':13s} {'scheme':6s} {'KiB/token':>10s} {'GiB at 128k':>12s}")
 for name in MODELS:
