@@ -314,6 +314,17 @@ async def full_response(server: Server, req, out, rid: str, chat: bool) -> dict:
     return response_body(rid, server.model_name, choices, used, chat)
 
 
+def _last_chunks(ev: Event, req, chunk) -> list[str]:
+    """What a stream sends on its final event: the usage chunk if asked (``done``), or
+    the error (``error``, ``rejected``); ``[DONE]`` follows either."""
+    if ev.kind == "done":
+        out = ev.output
+        return [chunk([], usage(len(out.prompt_token_ids),
+                                sum(len(c.token_ids) for c in out.outputs)))] \
+            if req.include_usage else []
+    return [_sse(error_body(ev.message, ev.param, "server_error", ev.code))]
+
+
 async def stream_events(server: Server, h: Handle, req, rid: str, chat: bool):
     """The SSE body: a chunk per new piece of text, usage if asked, then ``[DONE]``.
     If the client goes away (the generator is closed or cancelled), the request is
@@ -334,14 +345,9 @@ async def stream_events(server: Server, h: Handle, req, rid: str, chat: bool):
                                                       _top_n(req), chat)
                 yield chunk([completion_choice(ev.index, ev.text, ev.finish_reason, lps,
                                                chat=chat, delta=True)])
-            elif ev.kind == "done":
-                if req.include_usage:
-                    out = ev.output
-                    yield chunk([], usage(len(out.prompt_token_ids),
-                                          sum(len(c.token_ids) for c in out.outputs)))
-                break
-            elif ev.kind in ("error", "rejected"):
-                yield _sse(error_body(ev.message, ev.param, "server_error", ev.code))
+            elif ev.kind in ("done", "error", "rejected"):
+                for last in _last_chunks(ev, req, chunk):
+                    yield last
                 break
         yield _sse("[DONE]")
     finally:
@@ -398,14 +404,9 @@ async def tool_stream_events(server: Server, h: Handle, req, rid: str):
                     why = "tool_calls" if ev.finish_reason == "stop" else ev.finish_reason
                     yield chunk([{"index": ev.index, "delta": {}, "logprobs": None,
                                   "finish_reason": why}])
-            elif ev.kind == "done":
-                if req.include_usage:
-                    out = ev.output
-                    yield chunk([], usage(len(out.prompt_token_ids),
-                                          sum(len(c.token_ids) for c in out.outputs)))
-                break
-            elif ev.kind in ("error", "rejected"):
-                yield _sse(error_body(ev.message, ev.param, "server_error", ev.code))
+            elif ev.kind in ("done", "error", "rejected"):
+                for last in _last_chunks(ev, req, chunk):
+                    yield last
                 break
         yield _sse("[DONE]")
     finally:
