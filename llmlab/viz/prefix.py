@@ -104,7 +104,7 @@ def explore_prefix_cache(sessions, cost, num_blocks: int, policy: str = "radix",
     b.set_ylabel("TTFT (ms, step-cost model)")
     b.legend(fontsize=8)
     for ax in (a, b):
-        ax.set_xticks(x, [n.replace(" + ", "\n+ ") for n in names], fontsize=8)
+        ax.set_xticks(x, [n.replace(" + ", " +\n") for n in names], fontsize=7.5)
     r = runs[policy]
     fig.suptitle(f"{num_blocks} blocks of {block_size} tokens — {policy}: hit rate "
                  f"{r.hit_rate:.0%}, computes {r.computed_share:.0%} of the prompt tokens, "

@@ -213,8 +213,10 @@ display(Markdown(
     f"The radix tree's TTFT p90 was {rdx.ttft(0.9) * 1e3:.0f} ms against the hash cache's "
     f"{hsh.ttft(0.9) * 1e3:.0f} ms and no cache's {none.ttft(0.9) * 1e3:.0f} ms: "
     + ("the radix tree had the lowest p90." if rdx.ttft(0.9) <= min(hsh.ttft(0.9), none.ttft(0.9))
-       else "the radix tree did not have the lowest p90 here; with prompts this short a "
-            "turn's prefill is a small part of its wait on a busy machine.")))
+       else f"the radix tree did not have the lowest p90 here. It computed "
+            f"{hsh.computed_prompt_tokens - rdx.computed_prompt_tokens} fewer prompt tokens than "
+            f"the hash cache, about {(hsh.computed_prompt_tokens - rdx.computed_prompt_tokens) / len(rdx.turns):.0f} "
+            f"per turn, and a p90 over {len(rdx.turns)} turns is one of its slowest turns.")))
 
 # %%
 print(exercises.check("nb13.predict_computed_share", predicted, measured=rdx.computed_share))
