@@ -236,7 +236,7 @@ for policy in ("continuous", "static"):
 # 2. llmlab `scheduler="static"`: the same batches over the paged cache;
 # 3. llmlab `scheduler="continuous"`.
 #
-# The prefix cache is off, so every round computes the same work. Five rounds with the systems
+# The prefix cache is off, so every round computes the same work. Three rounds with the systems
 # interleaved, after a short warm-up; the bars are medians, the whiskers min–max.
 # `python -m llmlab.bench serve` runs all 80 requests.
 
@@ -250,7 +250,7 @@ from llmlab.profiling.steps import fit_step_cost, prompt_token_cost, step_arrays
 from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
-N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (12, 6, 5)
+N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (10, 5, 3)
 short = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.4)
          if len(r.prompt_token_ids) <= 40]
 part, warm = short[:N], [r for r in load_trace(TRACE, tokenizer=tok, max_output=4)][:SEATS]
@@ -360,7 +360,7 @@ assert row_vs_step < 0.5, "a decoding row cost half a step or more: the takeaway
 # chunks of whatever budget is left, over several steps (Agrawal et al.: Sarathi, 2023, and
 # Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). It matters when long prompts
 # arrive while others decode, so here the requests are the trace's first with prompts of at least
-# 100 tokens, 2 seats, a budget of 64 tokens per step, five rounds:
+# 100 tokens, 2 seats, a budget of 64 tokens per step, three rounds:
 
 # %%
 from llmlab.viz.serving import plot_step_times
