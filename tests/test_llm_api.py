@@ -224,7 +224,9 @@ def test_per_token_host_time_stays_flat_over_2000_tokens():
         in_forward[0], last = 0.0, now
     assert len(host) == 2000 and ev.finish_reason == "length"
     first, end = statistics.median(host[1:101]), statistics.median(host[-100:])
-    assert end < 1.5 * first, f"host time per token {first * 1e6:.0f} us -> {end * 1e6:.0f} us"
+    # flat within a shared machine's noise (591 -> 1012 us seen once under `make test`'s two
+    # workers, 906 -> 805 us alone); the bug this guards against grew 6x
+    assert end < 2.0 * first, f"host time per token {first * 1e6:.0f} us -> {end * 1e6:.0f} us"
 
 
 def test_extreme_seeds_and_temperatures_sample_without_failing(tiny_llm):
