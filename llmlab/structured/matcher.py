@@ -26,6 +26,7 @@ Two backends:
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
@@ -38,15 +39,17 @@ _UTF8_MIN = {2: 0x80, 3: 0x800, 4: 0x10000}
 _UTF8_MAX = {2: 0x7FF, 3: 0xFFFF, 4: 0x10FFFF}
 
 
-class Matcher:
-    """One sequence's place in a grammar (see the module docstring)."""
+class Matcher(ABC):
+    """One sequence's place in a grammar (see the module docstring); the backends
+    implement the abstract methods."""
 
     vocab_size: int
     eos_token_id: int
     consumed: int = 0                 # tokens advanced over since the last reset
 
+    @abstractmethod
     def allowed_mask(self) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
     def mask_logits_(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the logits of forbidden tokens to -inf, in place; ``logits`` [vocab]."""
@@ -57,17 +60,21 @@ class Matcher:
             logits[n:] = float("-inf")
         return logits
 
+    @abstractmethod
     def advance(self, token: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def accepts(self) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def is_finished(self) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def reset(self) -> None:
-        raise NotImplementedError
+        ...
 
     def catch_up(self, tokens) -> None:
         """Advance over ``tokens[self.consumed:]``: a sequence's matcher follows its
