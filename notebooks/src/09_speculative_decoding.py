@@ -188,14 +188,8 @@ print(f"{who}: same tokens as plain greedy: {yours == plain.token_ids}")
 # every draft method: it asks a drafter object for the drafts, verifies with one forward,
 # decides with `verify` (for greedy, the comparison below; for sampling, the accept/reject
 # rule of the warm-up), rolls back with `cache.truncate(cache.length - (n - n_acc))`, and
-# tells a model draft to roll its own cache back too.
-
-# %%
-import inspect
-
-from llmlab import speculative
-
-print(inspect.getsource(speculative.greedy_accept))
+# tells a model draft to roll its own cache back too (`llmlab/speculative.py`, to read once your
+# step passes).
 
 # %% [markdown]
 # ## Check (1): greedy speculation gives the same tokens
