@@ -383,7 +383,8 @@ def _rmsnorm_reference(x, residual, weight, eps):
 
 def _launch(kernel, x, residual, weight, eps):
     rows, n = x.shape
-    out, h = torch.empty_like(x), torch.empty_like(x)
+    # filled with NaN, so that an output the kernel never stores is seen as such
+    out, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     block = 1 << (n - 1).bit_length()
     kernel[(rows,)](x, residual, weight, out, h, n, eps, BLOCK=block)
     return out, h
@@ -487,6 +488,10 @@ def _check_add_rmsnorm_kernel(kernel, **_) -> Verdict:
         with forbid(*_library_kernels()):
             out, h = _launch(kernel, x, r, w, 1e-5)
         for got, want, name in ((h, want_h, "h"), (out, want_out, "out")):
+            if bool(torch.isnan(got).all()):
+                return wrong(f"{name} differs: your kernel never stored {name} (it still holds "
+                             f"the NaN the check filled it with; rows={rows}, hidden={n}).",
+                             f"tl.store every element of {name}, masked past n_cols.")
             if (problem := compare_tensors(got, want, name, 1e-4, 1e-4)) is not None:
                 return wrong(f"{problem} (rows={rows}, hidden={n})",
                              "mask the columns past n_cols on every load and store, and divide "

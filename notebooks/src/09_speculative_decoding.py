@@ -297,6 +297,7 @@ display(Markdown(
 # Then whole sampled generations at temperature 0.5 with prompt-lookup drafts.
 
 # %%
+from llmlab import speculative
 from llmlab.exercises.nb09 import chi2_pvalue
 
 with torch.inference_mode():
