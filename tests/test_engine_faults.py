@@ -260,6 +260,7 @@ def random_interrupts_example(tiny, tiny_tok, work):
     FAULT_LOG["checked"] += len(prompts)
 
 
+@pytest.mark.slow
 def test_random_interrupts_never_lose_or_corrupt_a_request(tiny, tiny_tok):
     """The property test over 30 random workloads (150 in `make test-thorough`); then,
     that it really interrupted calls (at least 20 faults per 30) and lost nothing."""

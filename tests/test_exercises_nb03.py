@@ -84,6 +84,7 @@ def test_triton_skeleton_with_the_solution_matches_reference_at_ragged_sizes():
         flash_forward_with(solution_inner_loop, q, k, v, block_n=24)
 
 
+@pytest.mark.slow
 def test_without_triton_the_stretch_is_absent_and_the_cells_say_so():
     """Where `import triton` fails (macOS), notebook 03 still imports and runs: the stretch
     exercise is not registered, and the Triton cells print one line instead."""

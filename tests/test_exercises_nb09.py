@@ -13,6 +13,7 @@ WRONG = ["always accepts", "accepts with p(d), ignoring q", "resamples from p in
          "forgets the bonus token", "off by one in the accepted count"]
 
 
+@pytest.mark.slow
 def test_the_reference_passes_inside_real_generation():
     v = exercises.check("nb09.accept_reject", nb09.reference_accept_reject)
     assert v.passed, v.message
@@ -82,6 +83,7 @@ STEP_WRONG = ["forgets the roll-back", "reads the token after draft i from row i
               "calls llmlab's own greedy_accept"]
 
 
+@pytest.mark.slow
 def test_the_reference_step_passes_and_every_branch_occurred():
     v = exercises.check("nb09.speculative_step", nb09.reference_speculative_step)
     assert v.passed, v.message

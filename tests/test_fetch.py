@@ -78,6 +78,7 @@ def test_a_missing_model_fails_with_the_fetch_command(tmp_path, monkeypatch):
             load("smollm2-135m")
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_gets_its_special_tokens_and_chat_template():
     """Some transformers releases read a GGUF's vocabulary but not its special tokens or chat
     template; the conversion takes them from the GGUF's metadata (else chat prompts and the

@@ -248,6 +248,7 @@ def test_registry_is_data_and_upcycle_does_not_reach_back_to_the_loader():
     assert "llmlab.models.upcycle" in _imports_anywhere("llmlab.models.loader")
 
 
+@pytest.mark.slow
 def test_transformers_imports_from_the_repository_root(tmp_path):
     """transformers imports the hub's ``kernels`` library; no folder of the repository may
     shadow an installed top-level package for a process started in the root."""

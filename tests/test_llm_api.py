@@ -196,6 +196,7 @@ def test_streamed_multibyte_text_adds_up_to_the_final_text(smollm2, tokenizer):
         assert want == (final.text if stop is None else final.text[:final.text.find(stop)])
 
 
+@pytest.mark.slow
 def test_per_token_host_time_stays_flat_over_2000_tokens():
     """The engine's own work per token (scheduling, sampling, decoding the text, the stop
     check, the stream's delta) is the same at token 2,000 as at token 100. The model's

@@ -117,6 +117,7 @@ def test_smollm2_tp3_matches_one_process(smollm2, tokenizer):
     assert {b for op, b in run.collectives if op == "all_reduce"} == {576 * 4}
 
 
+@pytest.mark.slow
 def test_tiny_llama_tp2_and_tp4_match_one_process_and_backward_too():
     model = llmlab.load_model("tiny-llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))

@@ -235,6 +235,7 @@ def _send(srv, name, body, path):
 ANSWERED_BY_UVICORN = {"content-length not a number"}
 
 
+@pytest.mark.slow
 def test_hostile_requests_get_a_clear_error_and_the_server_goes_on(hostile):
     FUZZ_LOG.update(cases=0, plain_after=0, slowest_plain_s=0.0)
     wrong = []
@@ -393,6 +394,7 @@ def _reference(tiny_model, prompts, max_tokens=300):
         prompts, sp, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_a_seed_that_overflows_does_not_fail_three_long_completions(hostile, tiny_model):
     """The issue's case: three long completions run; a fourth request asks for n=4 with
     the largest unsigned 64-bit seed. It is refused (400, naming seed) and the three end

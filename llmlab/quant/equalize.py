@@ -121,7 +121,7 @@ def _check_layer(layer) -> None:
 
 
 @torch.no_grad()
-def equalize(model, hessians: dict, steps: int = STEPS) -> dict:
+def equalize(model, hessians: dict, steps: int | None = None) -> dict:
     """Fold channel scales into ``model`` in place (its norms, v_proj, up_proj and the
     scaled layers get new weight tensors; tensors shared with another model are not
     written), and return the hessians of the scaled inputs, H / (s sᵀ), under the same keys
@@ -129,7 +129,9 @@ def equalize(model, hessians: dict, steps: int = STEPS) -> dict:
     :func:`llmlab.quant.gptq.collect_hessians` on the unscaled model).
 
     The float model computes the same function before and after, up to float32 rounding.
+    ``steps``: Adam steps per group of layers (None: the module's ``STEPS``).
     """
+    steps = STEPS if steps is None else steps
     cfg = model.config
     group = cfg.num_heads // cfg.num_kv_heads
     d = cfg.head_dim
