@@ -40,10 +40,10 @@ def save(name: str, payload: dict) -> Path | None:
 
 
 def timed_parser(name: str, doc: str, quick: str, repeats: int, new_tokens: int,
-                 argv: list[str], add=None):
+                 argv: list[str], add=None, min_repeats: int = 1):
     """The options every generation benchmark shares (``--quick``, ``--repeats`` (median),
     ``--new-tokens``, ``--threads``, ``--gpu``) plus those ``add(parser)`` adds; parsed and
-    checked. ``--threads`` is applied to torch here. None (after saying so) for ``--gpu`` on
+    checked (``--repeats`` at least ``min_repeats``, before anything is built). ``--threads`` is applied to torch here. None (after saying so) for ``--gpu`` on
     a machine without CUDA: ``make gpu-check`` passes ``--gpu`` to every benchmark."""
     import argparse
 
@@ -61,8 +61,8 @@ def timed_parser(name: str, doc: str, quick: str, repeats: int, new_tokens: int,
     if add is not None:
         add(ap)
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.new_tokens < 2:
-        raise ValueError(f"--repeats={args.repeats} must be >= 1 and --new-tokens="
+    if args.repeats < min_repeats or args.new_tokens < 2:
+        raise ValueError(f"--repeats={args.repeats} must be >= {min_repeats} and --new-tokens="
                          f"{args.new_tokens} >= 2")
     if args.gpu and not torch.cuda.is_available():
         print(f"{name} --gpu needs CUDA; nothing to do on this machine")

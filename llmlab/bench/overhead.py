@@ -154,7 +154,8 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
 
 
 def main(argv: list[str]) -> int:
-    args = timed_parser("overhead", __doc__, "fp32 only, batch 1", 5, 64, argv)
+    # the step breakdown takes a median of at least five (profiling.overhead.step_breakdown)
+    args = timed_parser("overhead", __doc__, "fp32 only, batch 1", 5, 64, argv, min_repeats=5)
     if args is None:
         return 0
     header("overhead: eager vs compiled decode steps")
