@@ -140,7 +140,7 @@ def test_the_checked_calls_take_what_the_layers_store():
     q, scale = _int8_layout()
     x = torch.randn(3, 64)
     assert torch.equal(cpu_gemv.gemv("int8", x, q, 64, scale=scale),
-                       cpu_gemv._gemv("int8", x, q, 64, scale=scale))
+                       cpu_gemv.gemv_unchecked("int8", x, q, 64, scale=scale))
     packed, d = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 3).half()
     with pytest.raises(ValueError, match=r"q4: m must be a CPU torch.float16 tensor \[4, 3\]"):
         cpu_gemv.dequantize("q4", packed, 96, d=d, m=d[:, :2], group_size=32)
@@ -154,9 +154,9 @@ def test_the_c_functions_refuse_a_bad_group_size_themselves(group_size):
     # past the Python checks (the unchecked calls): C must not divide by 0 or read past d
     packed, d = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 3).half()
     with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
-        cpu_gemv._dequantize("q4", packed, 96, d=d, m=d, group_size=group_size)
+        cpu_gemv.dequantize_unchecked("q4", packed, 96, d=d, m=d, group_size=group_size)
     with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
-        cpu_gemv._gemv("q4", torch.zeros(1, 96), packed, 96, d=d, m=d, group_size=group_size)
+        cpu_gemv.gemv_unchecked("q4", torch.zeros(1, 96), packed, 96, d=d, m=d, group_size=group_size)
 
 
 def _every_format(w: torch.Tensor):

@@ -134,7 +134,7 @@ def test_llm_takes_a_hand_written_schedule_function(tiny_llm):
 
     def schedule(self, now):
         calls.append(now)
-        return Scheduler._schedule_continuous(self, now)
+        return Scheduler.schedule_continuous(self, now)
 
     llm = LLM(tiny_llm.model, tiny_llm.tokenizer, scheduler=schedule, max_num_seqs=4,
               block_size=4, num_blocks=64)

@@ -137,12 +137,12 @@ def test_a_schedule_function_replaces_the_continuous_step():
 
     def same_as_builtin(self, now):
         calls.append(now)
-        return Scheduler._schedule_continuous(self, now)
+        return Scheduler.schedule_continuous(self, now)
 
     def one_admission_per_step(self, now):
         """A hand-written policy: decodes first, then at most one waiting prompt."""
         out = SchedulerOutput(packed=True)
-        self._schedule_decodes(out)
+        self.schedule_decodes(out)
         if self.waiting and not out.preempted and self.bm.can_allocate(
                 self.waiting[0].all_token_ids):
             self.admit(self.waiting[0], out)

@@ -233,15 +233,17 @@ class ContiguousKVCache:
         if s != self._pending:
             raise ValueError(f"attend got {s} new tokens but begin() announced {self._pending}")
         start, end = self.length, self.length + s
-        self._store(layer_idx, start, end, k, v)
+        self.store(layer_idx, start, end, k, v)
         mask = self.key_padding_mask[:, :end] if self._padded else None
-        k_all, v_all = self._read(layer_idx, end, q.dtype)
+        k_all, v_all = self.read(layer_idx, end, q.dtype)
         if s > 1:
             return backend.forward(q, k_all, v_all, causal=True, key_padding_mask=mask)
         return decode_grouped(q, k_all, v_all, backend, mask)
 
-    def _store(self, layer_idx: int, start: int, end: int, k: torch.Tensor,
-               v: torch.Tensor) -> None:
+    def store(self, layer_idx: int, start: int, end: int, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Write the new tokens' K and V [batch, end - start, kv_heads, head_dim] of layer
+        ``layer_idx`` into slots ``start`` .. ``end - 1`` (int8: quantized, with scales)."""
         for new, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             new = new.transpose(1, 2)                    # [batch, kv_heads, s, head_dim]
             if self.kv_dtype == "int8":
@@ -249,7 +251,7 @@ class ContiguousKVCache:
                 scales[layer_idx][:, :, start:end] = scale
             cache[layer_idx][:, :, start:end] = new
 
-    def _read(self, layer_idx: int, end: int, dtype: torch.dtype):
+    def read(self, layer_idx: int, end: int, dtype: torch.dtype):
         """K and V of the first ``end`` slots, [batch, end, kv_heads, head_dim] (int8:
         dequantized to ``dtype``)."""
         out = []

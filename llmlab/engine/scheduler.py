@@ -129,13 +129,13 @@ class Scheduler:
 
     ``schedule_fn``: a function that replaces the policy's one-step decision, called as
     ``schedule_fn(scheduler, now) -> SchedulerOutput``; it has the signature of the
-    method :meth:`_schedule_continuous` (``self`` is the scheduler), so that method's
+    method :meth:`schedule_continuous` (``self`` is the scheduler), so that method's
     source is a working starting point. It may read and change ``scheduler.waiting``
     (a deque, arrival order), ``scheduler.running`` (admission order), ``scheduler.bm``
     and ``scheduler.config``, and use the helpers the built-in policy uses:
-    ``in_prefill(seq)``, ``_schedule_decodes(out, decoding)`` (a decode slot for each,
-    preempting the newest when blocks run out), ``_seats_in_use()``,
-    ``_seats_needed(seq)`` and ``admit(seq, out, limit)`` (allocate a waiting
+    ``in_prefill(seq)``, ``schedule_decodes(out, decoding)`` (a decode slot for each,
+    preempting the newest when blocks run out), ``seats_in_use()``,
+    ``seats_needed(seq)`` and ``admit(seq, out, limit)`` (allocate a waiting
     sequence's blocks, move it to running and schedule its prompt). Every sequence it
     schedules must hold slots for the tokens it feeds: ``num_new`` tokens from
     ``seq.num_computed`` on. If it raises, the engine recovers as from any failed step.
@@ -235,19 +235,19 @@ class Scheduler:
             row.append(EMPTY if s is None else HELD if s.finished else s.request.request_id)
         return row
 
-    def _seats_in_use(self) -> int:
+    def seats_in_use(self) -> int:
         """Running sequences plus seats promised to not-yet-forked completions."""
         pending = {id(s.request): s.request.params.n - len(s.request.seqs)
                    for s in self.running}
         held = sum(1 for s in self.seats.values() if s is not None and s.finished)
         return len(self.running) + sum(pending.values()) + held
 
-    def _seats_needed(self, seq: Sequence) -> int:
+    def seats_needed(self, seq: Sequence) -> int:
         req = seq.request
         return req.params.n if len(req.seqs) < req.params.n else 1
 
     # -- preemption -----------------------------------------------------------------------
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute later: free the blocks, back to the front of the waiting queue."""
         self.bm.free(seq.seq_id)
         if seq in self.running:
@@ -262,7 +262,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _schedule_decodes(self, out: SchedulerOutput,
+    def schedule_decodes(self, out: SchedulerOutput,
                           decoding: list[Sequence] | None = None) -> int:
         """One new token per decoding sequence (default: every running one that is not
         part-way through its prompt), preempting the newest when blocks run out.
@@ -275,7 +275,7 @@ class Scheduler:
             seq = queue.pop(0)
             while not self.bm.can_append(seq.seq_id):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -311,16 +311,16 @@ class Scheduler:
         if self.schedule_fn is not None:
             return self.schedule_fn(self, now)
         if self.config.policy == "continuous":
-            return self._schedule_continuous(now)
-        return self._schedule_static(now)
+            return self.schedule_continuous(now)
+        return self.schedule_static(now)
 
-    def _schedule_continuous(self, now: float) -> SchedulerOutput:
+    def schedule_continuous(self, now: float) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput(packed=True)
         filling, decoding = [], []      # split before the decodes append their slots
         for s in self.running:
             (filling if self.in_prefill(s) else decoding).append(s)
-        used = self._schedule_decodes(out, decoding)
+        used = self.schedule_decodes(out, decoding)
         budget = cfg.max_num_batched_tokens
         chunked = cfg.enable_chunked_prefill
         for seq in filling if chunked else []:   # prompts part-way through go on first
@@ -330,12 +330,12 @@ class Scheduler:
                 used += n
         if out.preempted:           # memory is tight: let the running ones drain first
             return out
-        seats = self._seats_in_use()
+        seats = self.seats_in_use()
         while self.waiting:
             seq = self.next_waiting(now)
             if seq is None:
                 break
-            need = self._seats_needed(seq)
+            need = self.seats_needed(seq)
             if seats + need > cfg.max_num_seqs:
                 break
             if chunked and used >= budget:
@@ -381,9 +381,9 @@ class Scheduler:
         req = seq.request
         remaining = req.params.max_tokens - len(seq.output_token_ids)
         length = min(seq.num_tokens + remaining, self.config.max_model_len)
-        return -(-length // self.bm.block_size) * self._seats_needed(seq)
+        return -(-length // self.bm.block_size) * self.seats_needed(seq)
 
-    def _schedule_static(self, now: float) -> SchedulerOutput:
+    def schedule_static(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(packed=False)
         self.batch = [s for s in self.batch if not s.finished or s.slot is not None]
         if self.batch and all(s.finished for s in self.batch):
@@ -391,14 +391,14 @@ class Scheduler:
                 self.release_seat(s)
             self.batch = []
         if self.batch:
-            self._schedule_decodes(out)
+            self.schedule_decodes(out)
             return out
         seats, blocks = 0, 0
         while self.waiting:
             seq = self.waiting[0]
             if seq.request.arrival_time > now:
                 break
-            need_seats, need_blocks = self._seats_needed(seq), self._blocks_reserved(seq)
+            need_seats, need_blocks = self.seats_needed(seq), self._blocks_reserved(seq)
             if seats and (seats + need_seats > self.config.max_num_seqs
                           or blocks + need_blocks > self.bm.num_free_blocks):
                 break

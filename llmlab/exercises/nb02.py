@@ -171,7 +171,7 @@ def _library_caches() -> tuple:
     from ..cache.paged import PagedKVCache
     from ..cache.static import StaticKVCache
 
-    return (ContiguousKVCache.attend, ContiguousKVCache._store, ContiguousKVCache._read,
+    return (ContiguousKVCache.attend, ContiguousKVCache.store, ContiguousKVCache.read,
             StaticKVCache.attend, PagedKVCache.attend)
 
 

@@ -375,8 +375,8 @@ TIGHT_BLOCKS = 60          # blocks of 16: too few for 8 seats on the trace, so 
 
 def _library_policies() -> tuple:
     """llmlab's own scheduling steps: what the schedule build writes."""
-    return (Scheduler._schedule_continuous, Scheduler._schedule_static,
-            Scheduler._schedule_decodes, Scheduler._preempt)
+    return (Scheduler.schedule_continuous, Scheduler.schedule_static,
+            Scheduler.schedule_decodes, Scheduler.preempt)
 
 
 @functools.lru_cache(maxsize=1)
@@ -478,7 +478,7 @@ def _alone(prompts, outs):
               "admits beyond max_num_seqs": (_variant(ignore_seats=True), ("max_num_seqs",)),
               "static: waits for the whole batch": (_variant(static=True), ("static",)),
               "preempts the oldest": (_variant(oldest=True), ("newest",)),
-              "wraps llmlab's policy": (lambda sched, now: sched._schedule_continuous(now),
+              "wraps llmlab's policy": (lambda sched, now: sched.schedule_continuous(now),
                                         ("llmlab's own",)),
           })
 def _check_schedule(schedule):

@@ -126,7 +126,7 @@ def _library_pieces() -> tuple:
 
     return (formats.group_quantize, formats.group_dequantize, formats.q4_1_quantize,
             formats.q4_1_dequantize, linear.GroupLinear.dequantized_weight,
-            cpu_gemv._gemv, cpu_gemv._dequantize)
+            cpu_gemv.gemv_unchecked, cpu_gemv.dequantize_unchecked)
 
 
 def _small_case():

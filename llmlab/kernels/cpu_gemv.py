@@ -24,7 +24,7 @@ the callers keep PyTorch's kernels. ``LLMLAB_CPU_GEMV=0`` turns the kernels off.
     x [M, K] float32 (any M; meant for M <= 8)  ->  y [M, N] float32
 
 :func:`gemv` and :func:`dequantize` check every tensor (dtype, shape, contiguity, device)
-and say which one is wrong; ``_gemv`` and ``_dequantize`` skip the checks, for the
+and say which one is wrong; ``gemv_unchecked`` and ``dequantize_unchecked`` skip the checks, for the
 quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
 construction and which call them about 120 times per decode step. The layers call them
 as torch operators (``torch.ops.llmlab.int8_gemv``, ``q4_gemv``, ``q8_0_gemv``,
@@ -282,7 +282,7 @@ def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
     if x.numel() // k > _C_INT_MAX:
         raise ValueError(f"{fmt}: x has {x.numel() // k} rows; allowed 1..{_C_INT_MAX}")
     _library()
-    return _gemv(fmt, x, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+    return gemv_unchecked(fmt, x, codes, k, scale=scale, d=d, m=m, group_size=group_size)
 
 
 def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
@@ -293,13 +293,13 @@ def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | N
     the whole matrix) and the quality evaluation. Checked as :func:`gemv`."""
     _check_layout(fmt, codes, k, scale, d, m, group_size)
     _library()
-    return _dequantize(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+    return dequantize_unchecked(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
 
 
 # The unchecked calls: only for callers whose tensors are valid by construction (the layers
 # of llmlab.quant.linear). A wrong dtype, shape or stride here reads or writes out of bounds.
 
-def _gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
+def gemv_unchecked(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
           scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
           m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
     """:func:`gemv` without its checks: it only allocates y and calls C."""
@@ -315,7 +315,7 @@ def _gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
     return y
 
 
-def _dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
+def dequantize_unchecked(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
                 d: torch.Tensor | None = None, m: torch.Tensor | None = None,
                 group_size: int = 32) -> torch.Tensor:
     """:func:`dequantize` without its checks."""
@@ -331,8 +331,8 @@ def _dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | 
 
 # -- the same kernels as torch operators ---------------------------------------------------
 #
-# One operator per format runs ``_gemv`` behind PyTorch's dispatcher, and one runs
-# ``_dequantize``, so that ``torch.compile`` puts them into its graph as single calls (a
+# One operator per format runs ``gemv_unchecked`` behind PyTorch's dispatcher, and one runs
+# ``dequantize_unchecked``, so that ``torch.compile`` puts them into its graph as single calls (a
 # ctypes call cannot be traced: it breaks the graph) and the profiler sees them as
 # operators. Their fake kernels give the output's shape and dtype without running C.
 #
@@ -365,19 +365,19 @@ def _ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_gemv(x, codes, scale):
-    return _gemv("int8", _ready(x), codes, codes.shape[1], scale=scale)
+    return gemv_unchecked("int8", _ready(x), codes, codes.shape[1], scale=scale)
 
 
 def _q4_gemv(x, codes, d, m, group_size):
-    return _gemv("q4", _ready(x), codes, 2 * codes.shape[1], d=d, m=m, group_size=group_size)
+    return gemv_unchecked("q4", _ready(x), codes, 2 * codes.shape[1], d=d, m=m, group_size=group_size)
 
 
 def _q8_0_gemv(x, codes, d):
-    return _gemv("q8_0", _ready(x), codes, codes.shape[1], d=d)
+    return gemv_unchecked("q8_0", _ready(x), codes, codes.shape[1], d=d)
 
 
 def _fp8_gemv(x, codes, scale):
-    return _gemv("fp8", _ready(x), codes, codes.shape[1], scale=scale)
+    return gemv_unchecked("fp8", _ready(x), codes, codes.shape[1], scale=scale)
 
 
 def _fake_gemv(fmt: str):
@@ -406,7 +406,7 @@ for _fmt, (_schema, _kernel) in _GEMV_KERNELS.items():
 def _dequantize_kernel(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
     if _LIB.get("lib") is None:
         _library()
-    return _dequantize(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
+    return dequantize_unchecked(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
 
 
 def _dequantize_fake(fmt, codes, k, scale=None, d=None, m=None, group_size=32):
@@ -427,7 +427,7 @@ _profiling, _dispatch_modes = torch._C._autograd._profiler_enabled, torch._C._le
 
 
 def skips_dispatcher(x: torch.Tensor) -> bool:
-    """Whether a product with x may call its kernel (``_gemv``) directly instead of the
+    """Whether a product with x may call its kernel (``gemv_unchecked``) directly instead of the
     operator: in eager mode, on a plain tensor, with no profiler (which should see the
     operator) and no dispatch mode (which intercepts operators). Under ``torch.compile``
     it is False, so the graph holds the operator. About 0.2 µs."""
