@@ -124,7 +124,10 @@ def test_breakdown_of_a_matmul_heavy_step():
     assert len(bd.times_s) == 5 and bd.min_s <= bd.median_s <= bd.max_s
     assert bd.matmul_s + bd.outside_s == pytest.approx(bd.median_s, rel=1e-12)
     assert bd.ops.total == 4 and bd.ops.matmul_calls == 1
-    assert 0 < bd.matmul_s <= bd.profiled_s
+    # the profiler's clock and perf_counter are different clocks: on a busy machine the
+    # matmul event of a run can read ~1% longer than that run's wall time (seen in CI:
+    # 14.77 ms in a 14.67 ms run), so the bound holds within a few percent, not exactly
+    assert 0 < bd.matmul_s <= 1.05 * bd.profiled_s
     assert bd.matmul_s > 0.5 * bd.profiled_s     # 906 MFLOP against three 1-element adds
 
 
