@@ -15,6 +15,10 @@ XDIST := -n $(JOBS) --dist loadfile
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# cache compiled bytecode (.pyc, git-ignored) even where the shell says not to: without it
+# every process (each test worker, server, notebook kernel and forked child) recompiles all
+# of llmlab and pytest rewrites every test file again, 10 s of each worker's start-up
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup lab test test-fast test-notebooks test-thorough bench notebooks gpu-check \
 	gpu-compile kernel-table clean
