@@ -441,10 +441,11 @@ def timed(spec):
     return time.perf_counter() - t, out
 
 
+RUNS = 3                         # whole generations per configuration
 timed(None), timed(spec_of("ngram", 4))                               # warm-up
 times = {c: [] for c in [None] + timed_configs}
 last = {}
-for rep in range(REPEATS):
+for rep in range(RUNS):
     for c in times:
         if c is not None and c[0] == "early_exit" and rep >= 1:
             continue                            # one run: its loss is far above the noise
@@ -478,7 +479,7 @@ for m, k in timed_configs:
                     "model": modelled(st, c), "model_free": modelled(st, c, free_verify=True),
                     "accepted_per_step": st.accepted_per_step,
                     "drafted_per_step": st.drafted_per_step}
-print(f"KV-cache greedy: {len(last[None].token_ids) / base:.1f} tok/s (median of {REPEATS})")
+print(f"KV-cache greedy: {len(last[None].token_ids) / base:.1f} tok/s (median of {RUNS})")
 for (m, k), r in grid.items():
     print(f"{m:10s} k={k}: acceptance {r['accept']:.0%}, {r['tok/fwd']:.2f} tok/forward, "
           f"c={r['c']:.3f}, v={r['v']:.2f}, speedup {r['speedup']:.2f}x (min-max "

@@ -311,9 +311,9 @@ for body in bodies[:5]:
 TARGET_S = round(5 * sorted(lone_ttft)[2], 2)
 FRACTIONS = (0.5, 1.0, 1.5)
 RATES = [float(f"{f * capacity:.2g}") for f in FRACTIONS]
-# 24 requests per rate; fewer (not under 12) where the machine is so slow that the arrivals
-# alone would take over 2.5 minutes per server: the intervals below then widen, as they should
-N_REQUESTS = 12 if QUICK else max(12, min(24, int(150 / sum(1 / r for r in RATES))))
+# 16 requests per rate; fewer (not under 12) where the machine is so slow that the arrivals
+# alone would take over a minute per server: the intervals below then widen, as they should
+N_REQUESTS = 12 if QUICK else max(12, min(16, int(64 / sum(1 / r for r in RATES))))
 sweep_bodies = bodies[:N_REQUESTS]
 print(f"lone TTFT median {sorted(lone_ttft)[2] * 1e3:.0f} ms -> p90 TTFT target {TARGET_S:g} s; "
       f"{N_REQUESTS} requests per rate at {RATES} requests/s "
@@ -357,7 +357,7 @@ exercises.check("nb10.predict_capacity", my_rate, measured=sustained["continuous
 # %% [markdown]
 # ## Measure: the rate sweep
 #
-# Left, the p90 TTFT at each rate with its 90% bootstrap interval: with a few dozen requests a
+# Left, the p90 TTFT at each rate with its 90% bootstrap interval: with 12-16 requests per rate a
 # p90 rests on the slowest few, and the bar shows how far another run could move it. Middle,
 # latency against throughput. Right, the **goodput**: the requests per second that met the
 # TTFT target (completed requests whose TTFT was within it, over the run's wall time).
