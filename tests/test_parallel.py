@@ -143,3 +143,26 @@ def test_counting_collectives_in_one_process_sees_none():
     with torch.no_grad(), count_collectives() as log:
         model(torch.tensor([[1, 2, 3]]))
     assert log.count() == 0 and log.bytes() == 0
+
+
+def test_count_c10d_ops_sees_torch_distributed_called_directly(tmp_path):
+    """The dispatcher-level counter sees dist.all_reduce / all_gather however they were
+    imported (llmlab's count_collectives sees only llmlab's own wrappers)."""
+    import torch.distributed as dist
+    from torch.distributed import all_reduce as renamed
+
+    from llmlab.profiling import count_c10d_ops
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        x = torch.ones(3)
+        with count_c10d_ops() as counts, count_collectives() as log:
+            dist.all_reduce(x)
+            renamed(x)
+            dist.all_gather([torch.empty(3)], x)
+            x + 1                                  # not a collective
+        assert counts == {"allreduce": 2, "allgather": 1}
+        assert log.count() == 0
+    finally:
+        dist.destroy_process_group()

@@ -482,26 +482,6 @@ def _library_tp_pieces():
             tp_model.parallelize, tp_model.build_tp_model, loader.load_tp_model)
 
 
-class _CollectiveCounter:
-    """Counts the collectives the student's block calls (a dispatch mode sees c10d's ops
-    whichever name the student imported them under)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counts: dict[str, int] = {}
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name.startswith("c10d."):
-                    op = name.split(".")[1].rstrip("_")
-                    counts[op] = counts.get(op, 0) + 1
-                return func(*args, **(kwargs or {}))
-
-        self.counts, self.mode = counts, Mode()
-
-
 def _block_flops(layer, tokens: int, tp: int) -> dict:
     """Matrix-multiply FLOPs of the projections of one decoder layer for ``tokens`` tokens."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -517,15 +497,16 @@ def _diagnose_block(block, layer, x, positions, rank: int, tp: int) -> tuple[str
     """Run the student's block once on this rank; (a problem or None, max |error|)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ..profiling.dispatch import count_c10d_ops
     from . import forbid
 
     with torch.inference_mode():
         want = layer(x, positions)  # the unsharded layer, before anything is forbidden
-        counter = _CollectiveCounter()
-        with forbid(*_library_tp_pieces()), FlopCounterMode(display=False) as flops, counter.mode:
+        with (forbid(*_library_tp_pieces()), FlopCounterMode(display=False) as flops,
+              count_c10d_ops() as collectives):
             got = block(layer, x, positions, rank, tp)
-    n_ar = counter.counts.get("allreduce", 0)
-    others = {k: v for k, v in counter.counts.items() if k != "allreduce"}
+    n_ar = collectives.get("allreduce", 0)
+    others = {k: v for k, v in collectives.items() if k != "allreduce"}
     said = (f"your block made {n_ar} all-reduce{'s' if n_ar != 1 else ''}"
             + (f" and {sum(others.values())} other collectives ({', '.join(others)})" if others else ""))
     where = f"rank {rank} of {tp}"
