@@ -156,7 +156,8 @@ def test_the_c_functions_refuse_a_bad_group_size_themselves(group_size):
     with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
         cpu_gemv.dequantize_unchecked("q4", packed, 96, d=d, m=d, group_size=group_size)
     with pytest.raises(ValueError, match=f"group_size={group_size} \\(code -1\\)"):
-        cpu_gemv.gemv_unchecked("q4", torch.zeros(1, 96), packed, 96, d=d, m=d, group_size=group_size)
+        cpu_gemv.gemv_unchecked("q4", torch.zeros(1, 96), packed, 96, d=d, m=d,
+                                group_size=group_size)
 
 
 def _every_format(w: torch.Tensor):

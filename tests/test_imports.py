@@ -8,6 +8,7 @@ reads the import statements and looks for cycles, which is what makes order matt
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import pkgutil
 import subprocess
@@ -72,12 +73,18 @@ def module_files() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _file_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """:func:`module_level_imports` of one source file (parsed once per session)."""
+    return module_level_imports(ast.parse(path.read_text(), str(path)))
+
+
 def third_party_imports() -> list[str]:
     """The modules outside llmlab that llmlab's modules import when they are imported
     (sorted; what the import test's driver loads once before forking)."""
     found = set()
     for path in module_files().values():
-        for node in module_level_imports(ast.parse(path.read_text(), str(path))):
+        for node in _file_imports(path):
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif not node.level and node.module:
@@ -135,7 +142,7 @@ def import_graph() -> dict[str, set[str]]:
         is_pkg = path.name == "__init__.py"
         package = name if is_pkg else name.rpartition(".")[0]
         targets = set()
-        for node in module_level_imports(ast.parse(path.read_text(), str(path))):
+        for node in _file_imports(path):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
                 continue

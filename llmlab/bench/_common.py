@@ -43,8 +43,9 @@ def timed_parser(name: str, doc: str, quick: str, repeats: int, new_tokens: int,
                  argv: list[str], add=None, min_repeats: int = 1):
     """The options every generation benchmark shares (``--quick``, ``--repeats`` (median),
     ``--new-tokens``, ``--threads``, ``--gpu``) plus those ``add(parser)`` adds; parsed and
-    checked (``--repeats`` at least ``min_repeats``, before anything is built). ``--threads`` is applied to torch here. None (after saying so) for ``--gpu`` on
-    a machine without CUDA: ``make gpu-check`` passes ``--gpu`` to every benchmark."""
+    checked (``--repeats`` at least ``min_repeats``, before anything is built). ``--threads``
+    is applied to torch here. None (after saying so) for ``--gpu`` on a machine without
+    CUDA: ``make gpu-check`` passes ``--gpu`` to every benchmark."""
     import argparse
 
     import torch

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ..profiling.overhead import MIN_REPEATS
 from ._common import header, save, table, timed_parser
 
 CONTEXT = 32
@@ -154,8 +155,8 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
 
 
 def main(argv: list[str]) -> int:
-    # the step breakdown takes a median of at least five (profiling.overhead.step_breakdown)
-    args = timed_parser("overhead", __doc__, "fp32 only, batch 1", 5, 64, argv, min_repeats=5)
+    args = timed_parser("overhead", __doc__, "fp32 only, batch 1", 5, 64, argv,
+                        min_repeats=MIN_REPEATS)   # what step_breakdown takes a median of
     if args is None:
         return 0
     header("overhead: eager vs compiled decode steps")

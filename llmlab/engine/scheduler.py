@@ -263,7 +263,7 @@ class Scheduler:
         out.preempted.append(seq)
 
     def schedule_decodes(self, out: SchedulerOutput,
-                          decoding: list[Sequence] | None = None) -> int:
+                         decoding: list[Sequence] | None = None) -> int:
         """One new token per decoding sequence (default: every running one that is not
         part-way through its prompt), preempting the newest when blocks run out.
 

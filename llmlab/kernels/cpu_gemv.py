@@ -300,8 +300,8 @@ def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | N
 # of llmlab.quant.linear). A wrong dtype, shape or stride here reads or writes out of bounds.
 
 def gemv_unchecked(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
-          scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
-          m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
+                   scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
+                   m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
     """:func:`gemv` without its checks: it only allocates y and calls C."""
     n = codes.shape[0]
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
@@ -315,9 +315,9 @@ def gemv_unchecked(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
     return y
 
 
-def dequantize_unchecked(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | None = None,
-                d: torch.Tensor | None = None, m: torch.Tensor | None = None,
-                group_size: int = 32) -> torch.Tensor:
+def dequantize_unchecked(fmt: str, codes: torch.Tensor, k: int, *,
+                         scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
+                         m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
     """:func:`dequantize` without its checks."""
     out = torch.empty(codes.shape[0], k, dtype=torch.float32)
     rc = _LIB["lib"].llmlab_dequantize(FORMATS[fmt], codes.data_ptr(),
@@ -369,7 +369,8 @@ def _int8_gemv(x, codes, scale):
 
 
 def _q4_gemv(x, codes, d, m, group_size):
-    return gemv_unchecked("q4", _ready(x), codes, 2 * codes.shape[1], d=d, m=m, group_size=group_size)
+    return gemv_unchecked("q4", _ready(x), codes, 2 * codes.shape[1], d=d, m=m,
+                          group_size=group_size)
 
 
 def _q8_0_gemv(x, codes, d):

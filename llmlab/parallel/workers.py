@@ -239,10 +239,10 @@ def decode_account_on_ranks(model_name: str, context: int, repeats: int = 9, war
     ``profiled`` ones (interleaved) give the matmul time and the operator count.
     """
     from ..profiling.overhead import _count, _matmul_seconds, _profiled, make_decode_step
-    from ..profiling.overhead import measure_op_overhead
+    from ..profiling.overhead import MIN_REPEATS, measure_op_overhead
 
-    if repeats < 5:
-        raise ValueError(f"repeats={repeats} must be >= 5 (a median of at least five)")
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"repeats={repeats} must be >= {MIN_REPEATS} (a median of at least five)")
     ctx = current()
     model = load_tp_model(model_name, attention=attention, device=ctx.device, dtype=dtype)
     step = make_decode_step(model, batch=1, context=context, steps=warmup + repeats + profiled + 1)

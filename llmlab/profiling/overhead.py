@@ -239,6 +239,10 @@ class OverheadBreakdown:
                 f"ops={self.ops.total})")
 
 
+# the fewest timed runs a breakdown takes its median of
+MIN_REPEATS = 5
+
+
 def _matmul_seconds(events, on_cuda: bool) -> float:
     """Time in the innermost matmul-like operators (a linear's mm, not the linear around
     it: the layers of dispatch between them count as overhead)."""
@@ -277,8 +281,8 @@ def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     responsible for its own ``inference_mode`` and for being repeatable (a decode step
     that appends to a cache must have room: see :func:`make_decode_step`).
     """
-    if repeats < 5:
-        raise ValueError(f"repeats={repeats} must be >= 5 (a median of at least five)")
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"repeats={repeats} must be >= {MIN_REPEATS} (a median of at least five)")
     if not 1 <= profiled_repeats <= repeats:
         raise ValueError(f"profiled_repeats={profiled_repeats} must be in [1, repeats={repeats}]")
     dev = torch.device(device) if device is not None else default_device()
