@@ -1,6 +1,6 @@
 """Regenerate the shared-prefix traces in data/traces/ (deterministic: same seed, same files).
 
-    .venv/bin/python data/make_prefix_traces.py     # writes two traces, prints their stats
+    .venv/bin/python data/make_prefix_traces.py     # writes three traces, prints their stats
 
 * ``multiturn_chat``: chat sessions with SmolLM2's chat template. Every session starts
   with the same system prompt; turn 0 is the templated system + user message, arriving
@@ -8,6 +8,9 @@
   of the assistant turn, a new user message, the assistant header), and arrives
   ``arrival_s`` seconds (a think time) after that answer ends. The engine sends turn k as
   turn k-1's prompt + its answer + this text (``llmlab.engine.sessions``).
+* ``multiturn_long``: the same kind of sessions, 40 of them (about 180 turns) with
+  shorter answers, so that a TTFT percentile rests on many turns: the p90 of the 33 turns
+  of ``multiturn_chat`` is its fourth-slowest turn, which one preemption can move.
 * ``fewshot``: single requests whose prompts share one of three few-shot preambles (an
   instruction and worked examples), then a question of their own; Poisson arrivals.
 
@@ -89,7 +92,8 @@ def chat_next(user: str) -> str:
     return f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def multiturn(tok, rng: random.Random, sessions: int = 8, rate: float = 0.6) -> list[dict]:
+def multiturn(tok, rng: random.Random, sessions: int = 8, rate: float = 0.6,
+              answers: tuple[int, int] = (16, 40)) -> list[dict]:
     rows, t = [], 0.0
     for s in range(sessions):
         t += rng.expovariate(rate)
@@ -102,7 +106,7 @@ def multiturn(tok, rng: random.Random, sessions: int = 8, rate: float = 0.6) -> 
                          "arrival_s": round(t if k == 0 else rng.uniform(0.2, 1.5), 3),
                          "prompt": text,
                          "prompt_tokens": len(tok(text, add_special_tokens=False)["input_ids"]),
-                         "output_tokens": rng.randint(16, 40)})
+                         "output_tokens": rng.randint(*answers)})
     return rows
 
 
@@ -125,6 +129,8 @@ def main() -> int:
 
     tok = llmlab.load_tokenizer("smollm2-135m")
     for name, rows in (("multiturn_chat", multiturn(tok, random.Random(13))),
+                       ("multiturn_long", multiturn(tok, random.Random(15), sessions=40,
+                                                    answers=(8, 24))),
                        ("fewshot", fewshot(tok, random.Random(14)))):
         path = OUT / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -16,6 +16,17 @@ each step, which would mean a new graph per position; the static cache
 serves all positions. :func:`graphs_compiled` counts the graphs compiled in this process:
 after the warm-up it must not move.
 
+Every call of a compiled function first checks its *guards*, the facts the graph assumed
+(each input's shape and dtype, and by default every module and parameter it touched: several
+hundred checks, over a millisecond per step on a CPU). On the CPU this step keeps only the
+guards on its inputs and globals and drops those on the model's modules
+(``torch.compiler.skip_guard_on_all_nn_modules_unsafe``), in a compile region of its own
+(``isolate_recompiles``), so another model's graph is never looked up. The model's
+structure is then checked by a cheap stamp instead (:func:`model_stamp`: its dtype,
+device, attention backend and fusion): ``set_attention``, ``fuse_model`` or a move to
+another dtype rebuild the step; swapping a module by hand after the first call does not,
+and needs a new ``compiled_step`` (``forget(model)``).
+
 The first call of a batch size compiles (tens of seconds on a 2-core CPU); Inductor keeps
 what it built on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary
 directory), so a second process with the same model and shapes starts in seconds.
@@ -45,6 +56,13 @@ def _allow_graphs(limit: int) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * limit)
 
 
+def model_stamp(model) -> tuple:
+    """What a compiled step assumes of ``model`` beyond its inputs, checked on every call
+    in a few microseconds (the module guards it replaces take over a millisecond)."""
+    return (model.dtype, model.device, getattr(model, "attention", None),
+            getattr(model, "fused", None))
+
+
 def default_mode(device: torch.device | str) -> str | None:
     """``"reduce-overhead"`` (CUDA graphs) on CUDA; Inductor's default elsewhere."""
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
@@ -67,11 +85,23 @@ class CompiledStep:
 
             cpu_gemv.available()
         _allow_graphs(RECOMPILE_LIMIT)
-        self._fn = torch.compile(model.step, fullgraph=True, dynamic=False, mode=self.mode)
         self.compile_s = 0.0
+        self._build()
+
+    def _build(self) -> None:
+        if self.mode is None:          # the CPU: module guards dropped (see the module doc)
+            kw = {"options": {"guard_filter_fn":
+                              torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+                  "isolate_recompiles": True}
+        else:                          # CUDA graphs: replayed without Python, guards kept
+            kw = {"mode": self.mode}
+        self._fn = torch.compile(self.model.step, fullgraph=True, dynamic=False, **kw)
+        self.stamp = model_stamp(self.model)
         self.batch_sizes: set[int] = set()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        if self.mode is None and model_stamp(self.model) != self.stamp:
+            self._build()              # the model changed under the graph: trace it again
         first = ids.shape[0] not in self.batch_sizes
         t = time.perf_counter() if first else 0.0
         logits = self._fn(ids, positions, cache, None, "last")[:, -1].float()
@@ -92,6 +122,12 @@ def compiled_step(model, mode: str | None = None) -> CompiledStep:
     return step
 
 
+def forget(model) -> None:
+    """Drop ``model``'s compiled step: the next ``compiled_step(model)`` traces it anew (after
+    a change to its modules that :func:`model_stamp` does not see)."""
+    _STEPS.pop(model, None)
+
+
 def graphs_compiled() -> int:
     """How many graphs TorchDynamo has compiled in this process (a new shape, a failed
     guard or a graph break each add one): the recompile counter."""
@@ -100,4 +136,5 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-__all__ = ["CompiledStep", "compiled_step", "graphs_compiled", "default_mode"]
+__all__ = ["CompiledStep", "compiled_step", "graphs_compiled", "default_mode", "model_stamp",
+           "forget"]

@@ -162,3 +162,29 @@ def test_a_compiled_step_may_keep_a_graph_per_bucket(tiny):
 
     CompiledStep(tiny)
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT >= 64
+
+
+@pytest.mark.slow
+def test_module_guards_are_dropped_but_each_model_keeps_its_own_graph(tiny_tok):
+    """The CPU step drops Dynamo's guards on modules (a millisecond a step on SmolLM2): two
+    models of one structure must still each run their own weights, and a model rebuilt in
+    place (fuse_model) must be traced again, not run through the stale graph."""
+    from llmlab.layers.fused import fuse_model
+
+    a = llmlab.load_model("tiny-llama", attention="sdpa")
+    b = llmlab.load_model("tiny-llama", attention="sdpa")
+    with torch.no_grad():
+        b.layers[0].mlp.down_proj.weight.mul_(-3.0)
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, m in (("a", a), ("b", b)):
+        want = tokens(llmlab.generate(m, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
+        assert tokens(llmlab.generate(m, tiny_tok, PROMPTS, compile=True, **kw)) == want, name
+        outs[name] = want
+    assert outs["a"] != outs["b"], "the perturbed model should answer differently"
+    step = compiled_step(a)
+    stamp, before = step.stamp, graphs_compiled()
+    fuse_model(a, "torch")
+    want = tokens(llmlab.generate(a, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
+    assert tokens(llmlab.generate(a, tiny_tok, PROMPTS, compile=True, **kw)) == want
+    assert compiled_step(a) is step and step.stamp != stamp and graphs_compiled() > before
