@@ -27,6 +27,12 @@ device, attention backend and fusion): ``set_attention``, ``fuse_model`` or a mo
 another dtype rebuild the step; swapping a module by hand after the first call does not,
 and needs a new ``compiled_step`` (``forget(model)``).
 
+On the CPU a float32 step also goes through one graph pass of llmlab's (:func:`_gemv_pass`):
+each few-row matmul against a weight becomes the C kernel ``llmlab::f32_gemv``, which
+streams SmolLM2's small matrices at about 20 GB/s where MKL's sgemv reaches about 11 on
+a 2-core CPU: the batch-1 step is its weight bytes, so this is most of what compiling
+gains there (``CompiledStep(model, gemv=False)`` leaves it out).
+
 The first call of a batch size compiles (tens of seconds on a 2-core CPU); Inductor keeps
 what it built on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary
 directory), so a second process with the same model and shapes starts in seconds.
@@ -56,6 +62,49 @@ def _allow_graphs(limit: int) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * limit)
 
 
+def _gemv_pass():
+    """An Inductor graph pass (after autograd's decompositions) for float32 CPU decode: each
+    ``mm(x, wᵀ)`` of a few rows (at most ``GEMV_MAX_ROWS``) against a weight becomes
+    ``llmlab::f32_gemv(x, w)``, the C kernel that streams W (:mod:`llmlab.kernels.cpu_gemv`;
+    MKL's sgemv reads SmolLM2's small matrices at about half its rate). The graph computes
+    the same products in another order of additions: eager's greedy tokens are checked, not
+    assumed (tests/test_compile.py)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from .kernels import cpu_gemv
+    from .quant.linear import GEMV_MAX_ROWS
+
+    aten = torch.ops.aten
+
+    class GemvPass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for node in list(graph.nodes):
+                if node.target is not aten.mm.default:
+                    continue
+                x, wt = node.args
+                xv = x.meta.get("val")
+                if (wt.op != "call_function" or wt.target is not aten.permute.default
+                        or list(wt.args[1]) != [1, 0] or xv is None
+                        or xv.dtype is not torch.float32 or xv.device.type != "cpu"
+                        or xv.shape[0] > GEMV_MAX_ROWS):
+                    continue
+                w = wt.args[0]
+                wv = w.meta.get("val")
+                if wv is None or wv.dtype is not torch.float32 or not wv.is_contiguous():
+                    continue
+                with graph.inserting_before(node):
+                    new = graph.call_function(cpu_gemv.GEMV_OPS["f32"], (x, w))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+            graph.eliminate_dead_code()
+
+        def uuid(self):
+            return get_hash_for_files((__file__, cpu_gemv.SOURCE))
+
+    return GemvPass()
+
+
 def model_stamp(model) -> tuple:
     """What a compiled step assumes of ``model`` beyond its inputs, checked on every call
     in a few microseconds (the module guards it replaces take over a millisecond)."""
@@ -74,25 +123,29 @@ class CompiledStep:
 
     ``cache`` must keep fixed shapes (a :class:`~llmlab.cache.StaticKVCache`). Compiling
     happens on the first call of each batch size; ``compile_s`` adds up the time those
-    first calls took.
+    first calls took. ``gemv`` (CPU, Inductor's default mode): the float32 graph pass
+    (None or True: where the C kernels built; False: MKL's matmuls as traced).
     """
 
-    def __init__(self, model, mode: str | None = None):
+    def __init__(self, model, mode: str | None = None, gemv: bool | None = None):
         self.model = model
         self.mode = default_mode(model.device) if mode is None else mode
+        self.gemv = False
         if model.device.type == "cpu":       # the C decode kernels: built now, not traced
             from .kernels import cpu_gemv
 
-            cpu_gemv.available()
+            built = cpu_gemv.available()
+            self.gemv = built and self.mode is None and (gemv is None or gemv)
         _allow_graphs(RECOMPILE_LIMIT)
         self.compile_s = 0.0
         self._build()
 
     def _build(self) -> None:
         if self.mode is None:          # the CPU: module guards dropped (see the module doc)
-            kw = {"options": {"guard_filter_fn":
-                              torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-                  "isolate_recompiles": True}
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            if self.gemv:
+                options["post_grad_custom_post_pass"] = _gemv_pass()
+            kw = {"options": options, "isolate_recompiles": True}
         else:                          # CUDA graphs: replayed without Python, guards kept
             kw = {"mode": self.mode}
         self._fn = torch.compile(self.model.step, fullgraph=True, dynamic=False, **kw)

@@ -188,3 +188,37 @@ def test_module_guards_are_dropped_but_each_model_keeps_its_own_graph(tiny_tok):
     want = tokens(llmlab.generate(a, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
     assert tokens(llmlab.generate(a, tiny_tok, PROMPTS, compile=True, **kw)) == want
     assert compiled_step(a) is step and step.stamp != stamp and graphs_compiled() > before
+
+
+@pytest.mark.slow
+def test_the_cpu_graph_streams_float32_weights_through_the_c_gemv(tiny, tiny_tok):
+    """Float32 on the CPU: the graph pass turns each few-row mm against a weight into
+    llmlab::f32_gemv (none left over), and greedy tokens stay eager's."""
+    from llmlab.compile import CompiledStep
+    from llmlab.kernels import cpu_gemv
+    from llmlab.profiling import trace_ops
+
+    if not cpu_gemv.available():
+        pytest.skip(cpu_gemv.describe())
+    cache = StaticKVCache.for_model(tiny, 2, 256)
+    ids = torch.tensor([[5], [6]])
+    names = {}
+    for gemv in (True, False):
+        step = CompiledStep(tiny, gemv=gemv)
+
+        @torch.inference_mode()
+        def one():
+            cache.reset()
+            pos = cache.begin(1)
+            out = step(ids, pos, cache)
+            cache.advance()
+            return out
+
+        one()
+        names[gemv] = [op.name for op in trace_ops(one)]
+    linears = sum(isinstance(m, torch.nn.Linear) for m in tiny.modules())
+    assert names[True].count("llmlab::f32_gemv") == linears
+    assert "aten::mm" not in names[True] and "llmlab::f32_gemv" not in names[False]
+    kw = dict(max_new_tokens=32, ignore_eos=True)
+    want = tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
+    assert tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, compile=True, **kw)) == want

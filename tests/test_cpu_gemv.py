@@ -60,6 +60,25 @@ def test_scaled_formats_match_the_dequantized_matmul(fmt, n, k, m, threads):
     assert _rel(y.double(), ref) < 1e-5, f"max rel error {_rel(y.double(), ref):.1e}"
 
 
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n, k", [(37, 40), (64, 576), (17, 7), (130, 1536)])
+def test_f32_matches_the_float_matmul(n, k, m, threads):
+    """The float model's decode GEMV (compile=True's graph pass): W read as it is stored,
+    ragged K included (the tail past the last 16)."""
+    g = torch.Generator().manual_seed(n * k + m)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    y = cpu_gemv.f32_gemv(x, w)
+    ref = x.double() @ w.double().T
+    assert y.shape == (m, n) and _rel(y.double(), ref) < 1e-5
+    small = torch.randint(-3, 4, (m, k)).float()          # exact in any order of additions
+    wi = torch.randint(-9, 10, (n, k)).float()
+    assert torch.equal(cpu_gemv.GEMV_OPS["f32"](small, wi), small @ wi.T)
+    with pytest.raises(ValueError, match="f32: codes must be a CPU torch.float32"):
+        cpu_gemv.gemv("f32", x, w.double(), k)
+    with pytest.raises(ValueError, match="fmt='f32' is stored as float32 already"):
+        cpu_gemv.dequantize("f32", w, k)
+
+
 def test_int8_is_exact_on_integers():
     # small integers: every product and partial sum is exact in float32, so any order of the
     # additions gives the same bits; a kernel that drops the tail (K % 16) or a row is off
@@ -116,7 +135,7 @@ def _int8_layout(n=4, k=64):
 
 
 @pytest.mark.parametrize("case, match", [
-    (dict(fmt="int4"), r"fmt='int4'; allowed: \['int8', 'q4', 'q8_0', 'fp8'\]"),
+    (dict(fmt="int4"), r"fmt='int4'; allowed: \['int8', 'q4', 'q8_0', 'fp8', 'f32'\]"),
     (dict(x=torch.zeros(2, 64, dtype=torch.float64)), r"x must be a CPU float32 tensor \[\.\.\., 64\]; got cpu torch.float64"),
     (dict(x=torch.zeros(64, 2).T), r"x \[2, 64\] must be contiguous"),
     (dict(x=torch.zeros(2, 63)), r"x must be a CPU float32 tensor \[\.\.\., 64\]; got cpu torch.float32 \[2, 63\]"),

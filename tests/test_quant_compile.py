@@ -103,7 +103,7 @@ def test_the_layers_list_their_tensors_as_the_operators_take_them(tiny):
             names = [a.name for a in cpu_gemv.GEMV_OPS[fmt]._schema.arguments]
             assert names == ["x", "codes", *stored], (fmt, names, list(stored))
             seen.add(fmt)
-    assert seen == set(cpu_gemv.GEMV_OPS)
+    assert seen == set(cpu_gemv.GEMV_OPS) - {"f32"}       # f32: the float model's, in a graph pass
 
 
 def test_the_fake_kernels_give_shapes_without_running_c(tiny):

@@ -15,6 +15,9 @@
  *         (llmlab.quant.linear.GroupLinear's own storage, so no second copy is made)
  *   q8_0  q [N, K] int8, d [N, K/32] float16:          W[n,k] = q[n,k] * d[n, k/32]
  *   fp8   q [N, K] float8 e4m3 (its bytes), scale [N] float32: W[n,k] = e4m3(q[n,k]) * scale[n]
+ *   f32   w [N, K] float32 (its bytes):                W[n,k] = w[n,k]   (no widening: the float
+ *         model's decode, where MKL's sgemv on SmolLM2's small matrices streams at about half
+ *         the rate of these loops; gemv only, nothing to dequantize)
  *
  * Limits: q4 needs G % 32 == 0 and K % G == 0; q8_0 needs K % 32 == 0; int8 and fp8 take
  * any K (fp8: finite codes only).
@@ -86,8 +89,9 @@ static inline float hsum8(__m256 v) {
 #define NBLOCK 16       /* output rows per unit of parallel work (a multiple of NR) */
 #define AI static inline __attribute__((always_inline))
 
-enum { FMT_INT8 = 0, FMT_Q4 = 1, FMT_Q8_0 = 2, FMT_FP8 = 3 };
-#define PER_ROW(fmt) ((fmt) == FMT_INT8 || (fmt) == FMT_FP8)   /* one scale per row, no groups */
+enum { FMT_INT8 = 0, FMT_Q4 = 1, FMT_Q8_0 = 2, FMT_FP8 = 3, FMT_F32 = 4 };
+/* one scale per row (f32: none), no groups */
+#define PER_ROW(fmt) ((fmt) == FMT_INT8 || (fmt) == FMT_FP8 || (fmt) == FMT_F32)
 
 typedef struct {        /* one quantized weight matrix and its input */
     const float *x;     /* [M, K], reordered per 16 for q4 */
@@ -105,7 +109,11 @@ typedef struct {        /* one quantized weight matrix and its input */
 /* the codes of 16 weights [k, k+16) of one row as two vectors of 8 float32 (q4: in the
  * reordered input order); the group's d and m are applied by the caller, once per group */
 AI void load_unit(int fmt, const uint8_t *row, int k, __m256 *w0, __m256 *w1) {
-    if (fmt == FMT_FP8) {
+    if (fmt == FMT_F32) {
+        const float *p = (const float *)row + k;
+        *w0 = _mm256_loadu_ps(p);
+        *w1 = _mm256_loadu_ps(p + 8);
+    } else if (fmt == FMT_FP8) {
         /* e4m3 seeeemmm -> the float16 s0eeeemmm0000000, worth 2^-8 of it (both formats
          * have subnormals, so this holds for every finite value); the 256 goes into the
          * row's scale. x << 8 per 16-bit lane, arithmetic >> 1, clear bit 14. */
@@ -136,6 +144,7 @@ AI float weight_at(int fmt, const uint8_t *row, const uint16_t *d, const uint16_
         int code = j < 8 ? (b & 15) : (b >> 4);
         return code * half_to_float(d[k / G]) + half_to_float(m[k / G]);
     }
+    if (fmt == FMT_F32) return ((const float *)row)[k];
     if (fmt == FMT_FP8) {                         /* in units of 2^-8, as load_unit */
         uint8_t b = row[k];
         return half_to_float((uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7)));
@@ -280,18 +289,19 @@ static void run(gemv_t *g, int nthreads) {
             break;
         case FMT_Q8_0: tiles(g, FMT_Q8_0, 32, n0, n1); break;
         case FMT_FP8: tiles(g, FMT_FP8, 0, n0, n1); break;
+        case FMT_F32: tiles(g, FMT_F32, 0, n0, n1); break;
         default: tiles(g, FMT_INT8, 0, n0, n1);
         }
     }
 }
 
 /* y = x W^T for any of the formats: fmt 0 int8 (scale), 1 q4 (d, m, G), 2 q8_0 (d),
- * 3 fp8 (scale); pointers a format does not use may be anything valid. Returns 0, -1 for
+ * 3 fp8 (scale), 4 f32; pointers a format does not use may be anything valid. Returns 0, -1 for
  * a layout this file does not take (see Limits), -2 when the q4 input copy finds no memory. */
 /* The sizes a format takes (see Limits); the group size is what the group formats divide
  * by, so it is checked here as well as in Python: 0 on a valid layout, -1 otherwise. */
 static int check_layout(int fmt, int M, int N, int K, int G) {
-    if (fmt < FMT_INT8 || fmt > FMT_FP8 || M < 0 || N < 0 || K <= 0) return -1;
+    if (fmt < FMT_INT8 || fmt > FMT_F32 || M < 0 || N < 0 || K <= 0) return -1;
     if (PER_ROW(fmt)) return 0;
     if (G <= 0 || G % 32 != 0 || K % G != 0) return -1;
     return 0;
@@ -304,7 +314,8 @@ int llmlab_gemv(int fmt, const float *x, const uint8_t *w, const uint16_t *d, co
     if (PER_ROW(fmt)) G = 1;
     size_t groups = PER_ROW(fmt) ? 0 : (size_t)K / G;
     gemv_t g = {x, w, d, m, scale, 0, y, M, N, K, G, fmt,
-                fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K, groups, 0};
+                fmt == FMT_Q4 ? (size_t)K / 2 : fmt == FMT_F32 ? (size_t)K * 4 : (size_t)K,
+                groups, 0};
     float *xe = 0, *xs = 0;
     if (fmt == FMT_Q4) {          /* x reordered per run of 16 (see How), and its group sums */
         xe = malloc(sizeof(float) * (size_t)M * K);
@@ -338,7 +349,7 @@ int llmlab_gemv(int fmt, const float *x, const uint8_t *w, const uint16_t *d, co
 int llmlab_dequantize(int fmt, const uint8_t *w, const uint16_t *d, const uint16_t *m,
                       const float *scale, float *out, int N, int K, int G, int nthreads) {
     if (fmt == FMT_Q8_0) G = 32;
-    if (check_layout(fmt, 0, N, K, G)) return -1;
+    if (fmt == FMT_F32 || check_layout(fmt, 0, N, K, G)) return -1;
     size_t row_bytes = fmt == FMT_Q4 ? (size_t)K / 2 : (size_t)K;
     size_t groups = fmt == FMT_Q4 ? (size_t)K / G : fmt == FMT_Q8_0 ? (size_t)K / 32 : 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)

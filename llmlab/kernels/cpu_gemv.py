@@ -1,5 +1,7 @@
 """CPU matrix-vector products on quantized weights with float32 activations (decode):
-int8 per row, 4-bit groups (int4, GGUF Q4_1), GGUF Q8_0 and float8 e4m3 per row.
+int8 per row, 4-bit groups (int4, GGUF Q4_1), GGUF Q8_0 and float8 e4m3 per row; and plain
+float32 weights ("f32"), which ``compile=True`` puts in the float model's graph in place of
+MKL's sgemv (:mod:`llmlab.compile`; about 1.8x faster over SmolLM2's 211 small matrices).
 
 The C source is ``cpu_gemv.c`` beside this file; its header states the layouts and limits.
 PyTorch's packed CPU kernels (``torch._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
@@ -28,7 +30,7 @@ and say which one is wrong; ``gemv_unchecked`` and ``dequantize_unchecked`` skip
 quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
 construction and which call them about 120 times per decode step. The layers call them
 as torch operators (``torch.ops.llmlab.int8_gemv``, ``q4_gemv``, ``q8_0_gemv``,
-``fp8_gemv`` and ``dequantize``: :data:`GEMV_OPS`, :data:`dequantize_op`, with fake
+``fp8_gemv``, ``f32_gemv`` and ``dequantize``: :data:`GEMV_OPS`, :data:`dequantize_op`, with fake
 kernels for shapes), so that a graph compiled by ``torch.compile`` calls the C kernels
 without a graph break; eager decode skips the dispatcher (:func:`skips_dispatcher`).
 
@@ -210,7 +212,7 @@ def _library():
     return lib
 
 
-FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3}    # the C file's format numbers
+FORMATS = {"int8": 0, "q4": 1, "q8_0": 2, "fp8": 3, "f32": 4}   # the C file's format numbers
 _C_INT_MAX = 2**31 - 1                                  # the C functions take int sizes
 
 
@@ -246,7 +248,9 @@ def _check_layout(fmt: str, codes: torch.Tensor, k: int, scale, d, m, group_size
     n = codes.shape[0]
     if not 0 < n <= _C_INT_MAX:
         raise ValueError(f"{fmt}: codes has N={n} rows; allowed 1..{_C_INT_MAX}")
-    if fmt in ("int8", "fp8"):
+    if fmt == "f32":
+        _expect("codes", codes, torch.float32, (n, k), fmt)
+    elif fmt in ("int8", "fp8"):
         _expect("codes", codes, torch.int8 if fmt == "int8" else torch.float8_e4m3fn, (n, k), fmt)
         _expect("scale", scale, torch.float32, (n,), fmt)
     elif fmt == "q8_0":
@@ -268,8 +272,8 @@ def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
          scale: torch.Tensor | None = None, d: torch.Tensor | None = None,
          m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
     """y [..., N] = x [..., k] · Wᵀ for W stored as ``fmt`` ("int8": codes, scale; "q4":
-    packed codes, d, m, group_size; "q8_0": codes, d; "fp8": codes, scale; the layouts
-    of cpu_gemv.c). x: a contiguous float32 CPU tensor, any leading dims. Every tensor
+    packed codes, d, m, group_size; "q8_0": codes, d; "fp8": codes, scale; "f32": the
+    float32 weight itself as codes; the layouts of cpu_gemv.c). x: a contiguous float32 CPU tensor, any leading dims. Every tensor
     is checked; a ValueError names the one that does not fit and what would."""
     _check_layout(fmt, codes, k, scale, d, m, group_size)
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k \
@@ -290,7 +294,11 @@ def dequantize(fmt: str, codes: torch.Tensor, k: int, *, scale: torch.Tensor | N
                group_size: int = 32) -> torch.Tensor:
     """The float32 weight [N, k] from the stored codes: bit for bit what
     :mod:`llmlab.quant.formats` gives, several times faster, for prefill (a float32 GEMM on
-    the whole matrix) and the quality evaluation. Checked as :func:`gemv`."""
+    the whole matrix) and the quality evaluation. Checked as :func:`gemv` ("f32" has
+    nothing to dequantize)."""
+    if fmt == "f32":
+        raise ValueError("fmt='f32' is stored as float32 already; allowed: "
+                         f"{[f for f in FORMATS if f != 'f32']}")
     _check_layout(fmt, codes, k, scale, d, m, group_size)
     _library()
     return dequantize_unchecked(fmt, codes, k, scale=scale, d=d, m=m, group_size=group_size)
@@ -381,6 +389,10 @@ def _fp8_gemv(x, codes, scale):
     return gemv_unchecked("fp8", _ready(x), codes, codes.shape[1], scale=scale)
 
 
+def _f32_gemv(x, w):
+    return gemv_unchecked("f32", _ready(x), w, w.shape[1])
+
+
 def _fake_gemv(fmt: str):
     """The fake kernel of ``fmt``'s operator: y's shape and dtype, no C."""
     per_byte = 2 if fmt == "q4" else 1
@@ -397,7 +409,8 @@ _GEMV_KERNELS = {
     "int8": ("(Tensor x, Tensor codes, Tensor scale) -> Tensor", _int8_gemv),
     "q4": ("(Tensor x, Tensor codes, Tensor d, Tensor m, int group_size) -> Tensor", _q4_gemv),
     "q8_0": ("(Tensor x, Tensor codes, Tensor d) -> Tensor", _q8_0_gemv),
-    "fp8": ("(Tensor x, Tensor codes, Tensor scale) -> Tensor", _fp8_gemv)}
+    "fp8": ("(Tensor x, Tensor codes, Tensor scale) -> Tensor", _fp8_gemv),
+    "f32": ("(Tensor x, Tensor w) -> Tensor", _f32_gemv)}
 for _fmt, (_schema, _kernel) in _GEMV_KERNELS.items():
     _OPS.define(f"{_fmt}_gemv{_schema}")
     _OPS.impl(f"{_fmt}_gemv", _kernel, "CPU")
@@ -462,6 +475,11 @@ def q4_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Ten
 def q8_0_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """y = x · Wᵀ with W[n, k] = q[n, k] · d[n, k // 32]; q [N, K] int8, d [N, K/32] float16."""
     return gemv("q8_0", _input(x, q.shape[1]), q, q.shape[1], d=d)
+
+
+def f32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x · wᵀ; w [N, K] float32 (an ``nn.Linear``'s weight), for a few rows of x."""
+    return gemv("f32", _input(x, w.shape[1]), w, w.shape[1])
 
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
