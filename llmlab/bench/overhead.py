@@ -1,7 +1,8 @@
 """python -m llmlab.bench overhead [--quick] [--gpu]: what a decode step spends outside the
 matmuls, eager against compiled, per weight format, against HF transformers and llama.cpp.
 
-SmolLM2-135M, one decode step after a 32-token context, batch 1 and 8, for each scheme
+SmolLM2-135M, one decode step after a 32-token context (compiled: on the 256-slot static
+cache that a 32-token prompt with 64 new tokens gets), batch 1 and 8, for each scheme
 (fp32; int8 and int4 weights, :func:`llmlab.quantize`) and mode (``eager``: the model's
 forward on the contiguous cache; ``compiled``: :mod:`llmlab.compile`'s step on the static
 cache; ``compiled+fused``: the same after :func:`llmlab.layers.fused.fuse_model`). Per
@@ -31,6 +32,11 @@ from ..profiling.overhead import MIN_REPEATS
 from ._common import header, save, table, timed_parser
 
 CONTEXT = 32
+# room for this many steps before a step rewinds its cache: 32 + 200 tokens fit the static
+# cache's 256-slot bucket, the one ``generate`` compiles for a 32-token prompt and 64 new
+# tokens (256 steps would need the 512-slot bucket, twice the attention reads)
+STEPS = 200
+STEP_SAMPLES = 3             # times --repeats: one decode step varies more than a generation
 MODES = ("eager", "compiled", "compiled+fused")
 _FUSED: dict = {}
 
@@ -59,12 +65,13 @@ def step_rows(models: dict, batches: list[int], repeats: int, bandwidth: float) 
                 row = {"scheme": scheme, "mode": mode, "batch": b}
                 try:
                     m = fused(model) if mode.endswith("fused") else model
-                    step = make_decode_step(m, b, CONTEXT, compile=mode.startswith("compiled"))
+                    step = make_decode_step(m, b, CONTEXT, steps=STEPS,
+                                            compile=mode.startswith("compiled"))
                     t0 = time.perf_counter()
                     step()                                  # builds the graph when compiled
                     first_s = time.perf_counter() - t0
                     ops = count_ops(step)
-                    br = step_breakdown(step, repeats=repeats)
+                    br = step_breakdown(step, repeats=STEP_SAMPLES * repeats)
                 except Exception as e:                      # noqa: BLE001 - reported in the row
                     rows.append({**row, "tok/s": f"not built: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:80]}"})
@@ -130,6 +137,7 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
     import llmlab
     from ..profiling.overhead import measure_op_overhead
     from ..profiling.roofline import measure_bandwidth
+    from ..cache.static import slots_for
 
     model = llmlab.load_model("smollm2-135m", attention="sdpa")
     tok = llmlab.load_tokenizer("smollm2-135m")
@@ -143,7 +151,8 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (the memory roof); one tiny eager op "
           f"t_op = {t_op * 1e6:.2f} µs; torch threads {torch.get_num_threads()}")
     steps = step_rows(models, batches, repeats, bw)
-    print("\n-- one decode step (context 32), median of", repeats, "--")
+    print(f"\n-- one decode step (context {CONTEXT}; compiled: a static cache of "
+          f"{slots_for(CONTEXT + STEPS, 2048)} slots), median of {STEP_SAMPLES * repeats} --")
     table(steps, "{:.3g}")
     gens, lc = generation_rows(model, tok, batches, new_tokens, repeats, threads)
     print(f"\n-- whole generations (a {CONTEXT}-token prompt and {new_tokens} new tokens, "
