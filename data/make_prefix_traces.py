@@ -8,7 +8,7 @@
   of the assistant turn, a new user message, the assistant header), and arrives
   ``arrival_s`` seconds (a think time) after that answer ends. The engine sends turn k as
   turn k-1's prompt + its answer + this text (``llmlab.engine.sessions``).
-* ``multiturn_long``: the same kind of sessions, 40 of them (about 180 turns) with
+* ``multiturn_long``: the same kind of sessions, 40 of them (157 turns) with
   shorter answers, so that a TTFT percentile rests on many turns: the p90 of the 33 turns
   of ``multiturn_chat`` is its fourth-slowest turn, which one preemption can move.
 * ``fewshot``: single requests whose prompts share one of three few-shot preambles (an

@@ -40,6 +40,7 @@ Taught in notebook 11.
 """
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 
@@ -62,13 +63,14 @@ def _allow_graphs(limit: int) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * limit)
 
 
+@functools.cache
 def _gemv_pass():
     """An Inductor graph pass (after autograd's decompositions) for float32 CPU decode: each
     ``mm(x, wᵀ)`` of a few rows (at most ``GEMV_MAX_ROWS``) against a weight becomes
     ``llmlab::f32_gemv(x, w)``, the C kernel that streams W (:mod:`llmlab.kernels.cpu_gemv`;
     MKL's sgemv reads SmolLM2's small matrices at about half its rate). The graph computes
     the same products in another order of additions: eager's greedy tokens are checked, not
-    assumed (tests/test_compile.py)."""
+    assumed (tests/test_compile.py). Built once: its ``uuid`` keys Inductor's on-disk cache."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     from .kernels import cpu_gemv
@@ -134,8 +136,7 @@ class CompiledStep:
         if model.device.type == "cpu":       # the C decode kernels: built now, not traced
             from .kernels import cpu_gemv
 
-            built = cpu_gemv.available()
-            self.gemv = built and self.mode is None and (gemv is None or gemv)
+            self.gemv = cpu_gemv.available() and self.mode is None and gemv is not False
         _allow_graphs(RECOMPILE_LIMIT)
         self.compile_s = 0.0
         self._build()

@@ -193,13 +193,13 @@ def test_module_guards_are_dropped_but_each_model_keeps_its_own_graph(tiny_tok):
 @pytest.mark.slow
 def test_the_cpu_graph_streams_float32_weights_through_the_c_gemv(tiny, tiny_tok):
     """Float32 on the CPU: the graph pass turns each few-row mm against a weight into
-    llmlab::f32_gemv (none left over), and greedy tokens stay eager's."""
+    llmlab::f32_gemv (none left over), and greedy tokens stay eager's. Where the C kernels
+    did not build, the pass is off and the graph keeps PyTorch's matmuls."""
     from llmlab.compile import CompiledStep
     from llmlab.kernels import cpu_gemv
     from llmlab.profiling import trace_ops
 
-    if not cpu_gemv.available():
-        pytest.skip(cpu_gemv.describe())
+    built = cpu_gemv.available()
     cache = StaticKVCache.for_model(tiny, 2, 256)
     ids = torch.tensor([[5], [6]])
     names = {}
@@ -217,8 +217,10 @@ def test_the_cpu_graph_streams_float32_weights_through_the_c_gemv(tiny, tiny_tok
         one()
         names[gemv] = [op.name for op in trace_ops(one)]
     linears = sum(isinstance(m, torch.nn.Linear) for m in tiny.modules())
-    assert names[True].count("llmlab::f32_gemv") == linears
-    assert "aten::mm" not in names[True] and "llmlab::f32_gemv" not in names[False]
+    assert names[True].count("llmlab::f32_gemv") == (linears if built else 0)
+    assert ("aten::mm" in names[True]) is not built
+    assert "llmlab::f32_gemv" not in names[False] and "aten::mm" in names[False]
+    assert CompiledStep(tiny).gemv is built
     kw = dict(max_new_tokens=32, ignore_eos=True)
     want = tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, kv_cache="contiguous", **kw))
     assert tokens(llmlab.generate(tiny, tiny_tok, PROMPTS, compile=True, **kw)) == want

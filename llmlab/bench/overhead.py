@@ -151,8 +151,9 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (the memory roof); one tiny eager op "
           f"t_op = {t_op * 1e6:.2f} µs; torch threads {torch.get_num_threads()}")
     steps = step_rows(models, batches, repeats, bw)
-    print(f"\n-- one decode step (context {CONTEXT}; compiled: a static cache of "
-          f"{slots_for(CONTEXT + STEPS, 2048)} slots), median of {STEP_SAMPLES * repeats} --")
+    slots = slots_for(CONTEXT + STEPS, model.config.max_position_embeddings)
+    print(f"\n-- one decode step (context {CONTEXT}; compiled: a static cache of {slots} "
+          f"slots), median of {STEP_SAMPLES * repeats} --")
     table(steps, "{:.3g}")
     gens, lc = generation_rows(model, tok, batches, new_tokens, repeats, threads)
     print(f"\n-- whole generations (a {CONTEXT}-token prompt and {new_tokens} new tokens, "

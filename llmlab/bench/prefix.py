@@ -5,12 +5,12 @@ Serves ``multiturn_chat`` (chat sessions, each turn sent when the previous answe
 :func:`llmlab.engine.sessions.run_sessions`) and ``fewshot`` (prompts sharing one of three
 few-shot preambles) on SmolLM2; ``--trace multiturn_long`` serves 40 such sessions (157
 turns, shorter answers), where a TTFT p90 rests on sixteen turns rather than four. Five
-engines, in one run (``--engines`` picks some; ``none`` is always run, as the base): no prefix cache, the hash
-cache and the radix cache under first-come-first-served admission, and both caches under
-cache-aware admission (the longest cached prefix first, each request overtaken at most
-``--max-overtakes`` times). Per engine: the prefix hit rate, the prompt tokens the
-forwards computed (and their share of the no-cache run's), TTFT p50 / p90 and throughput.
-Each engine runs ``--repeats`` times, the engines interleaved in a rotating order; the
+engines, in one run (``--engines`` picks some; ``none`` is always run, as the base): no
+prefix cache, the hash cache and the radix cache under first-come-first-served admission,
+and both caches under cache-aware admission (the longest cached prefix first, each request
+overtaken at most ``--max-overtakes`` times). Per engine: the prefix hit rate, the prompt
+tokens the forwards computed (and their share of the no-cache run's), TTFT p50 / p90 and
+throughput. Each engine runs ``--repeats`` times, the engines interleaved in a rotating order; the
 table shows medians with the range over repeats. Answers are greedy with EOS ignored, so
 every engine generates the same tokens (checked).
 

@@ -30,8 +30,8 @@ and say which one is wrong; ``gemv_unchecked`` and ``dequantize_unchecked`` skip
 quantized layers (:mod:`llmlab.quant.linear`), whose stored weights are valid by
 construction and which call them about 120 times per decode step. The layers call them
 as torch operators (``torch.ops.llmlab.int8_gemv``, ``q4_gemv``, ``q8_0_gemv``,
-``fp8_gemv``, ``f32_gemv`` and ``dequantize``: :data:`GEMV_OPS`, :data:`dequantize_op`, with fake
-kernels for shapes), so that a graph compiled by ``torch.compile`` calls the C kernels
+``fp8_gemv``, ``f32_gemv`` and ``dequantize``: :data:`GEMV_OPS`, :data:`dequantize_op`,
+with fake kernels for shapes), so that a graph compiled by ``torch.compile`` calls the C kernels
 without a graph break; eager decode skips the dispatcher (:func:`skips_dispatcher`).
 
 Taught in notebook 08.
@@ -273,8 +273,9 @@ def gemv(fmt: str, x: torch.Tensor, codes: torch.Tensor, k: int, *,
          m: torch.Tensor | None = None, group_size: int = 32) -> torch.Tensor:
     """y [..., N] = x [..., k] · Wᵀ for W stored as ``fmt`` ("int8": codes, scale; "q4":
     packed codes, d, m, group_size; "q8_0": codes, d; "fp8": codes, scale; "f32": the
-    float32 weight itself as codes; the layouts of cpu_gemv.c). x: a contiguous float32 CPU tensor, any leading dims. Every tensor
-    is checked; a ValueError names the one that does not fit and what would."""
+    float32 weight itself as codes; the layouts of cpu_gemv.c). x: a contiguous float32
+    CPU tensor, any leading dims. Every tensor is checked; a ValueError names the one that
+    does not fit and what would."""
     _check_layout(fmt, codes, k, scale, d, m, group_size)
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k \
             or x.dtype != torch.float32 or x.device.type != "cpu":
