@@ -254,9 +254,14 @@ print(f"graphs compiled by the first call: {after_first - before}; by the second
 # %% [markdown]
 # Now one decode step of the short model, eager and compiled. `make_decode_step(...,
 # compile=True)` runs the step `generate` just compiled (same batch and bucket of slots, so the
-# graph is reused), and `count_ops` sees what still crosses the dispatcher: the matmuls, which
-# Inductor leaves to PyTorch's BLAS, and a few allocations. The fused loops it generated are
-# called directly.
+# graph is reused), and `count_ops` sees what still crosses the dispatcher. Inductor generates
+# C++ loops for the elementwise work (norms, RoPE, SiLU, the residual adds) and calls them
+# directly; the matmuls stay operator calls. On a CPU, `compile=True` adds one graph pass of
+# llmlab's (`llmlab.compile._gemv_pass`): a float32 matmul of a few rows against a weight becomes
+# `llmlab::f32_gemv`, a C kernel that streams the weight once (batch-1 decode is a
+# matrix-*vector* product, which a BLAS tuned for big matrices does not stream at full speed);
+# without a C compiler the pass is off and Inductor calls BLAS's `aten::mm`. The printout names
+# the calls that are left.
 
 # %%
 short_eager = {b: step_breakdown(make_decode_step(short, batch=b, context=32), repeats=7)
@@ -271,6 +276,8 @@ for label, br in (("eager", e1), ("compiled", compiled_br)):
     print(f"{label:9s} {br.ops.total:4d} operator calls, {br.median_s * 1e3:5.1f} ms per step "
           f"({br.min_s * 1e3:.1f}–{br.max_s * 1e3:.1f}), {br.outside_s * 1e3:4.1f} ms outside "
           "the matmuls")
+top = ", ".join(f"{name} ×{n}" for name, n in compiled_br.ops.by_name.most_common(4))
+print(f"the compiled step's most frequent calls: {top}")
 
 # %% [markdown]
 # ## Measure: eager and compiled on the overhead roofline
@@ -310,8 +317,8 @@ display(Markdown(
     f"{(pc.median_s - pe.median_s) * 1e3:+.1f} ms. "
     + (f"The compiled step was {pe.median_s / pc.median_s:.2f}× faster." if pc.median_s < pe.median_s
        else "The compiled step was not faster here: it attends over its whole bucket of "
-            "256 slots where eager reads only the filled ones, Dynamo checks its guards "
-            "on every call, and Inductor's loops use OpenMP threads, which lose most when "
+            "256 slots where eager reads only the filled ones, Dynamo checks its guards on the "
+            "inputs at every call, and Inductor's loops use OpenMP threads, which lose most when "
             "other work holds the cores. Fewer calls pay only when the calls were the cost.")))
 
 # %% [markdown]

@@ -231,7 +231,8 @@ print(exercises.check("nb13.predict_computed_share", predicted, measured=rdx.com
 # `max_overtakes` times (8 by default), so nothing starves.
 #
 # The whole trace with five engines takes minutes on this CPU (`python -m llmlab.bench prefix`
-# measures it). Here the engine's real scheduler and block manager serve the whole trace on a
+# measures it; `--trace multiturn_long`, 40 sessions and 157 turns, puts enough turns under
+# each TTFT percentile to compare the tails). Here the engine's real scheduler and block manager serve the whole trace on a
 # **step-cost model** fitted to the three runs above. The hit rates and token counts are the
 # real cache's; the times are the model's.
 
