@@ -250,7 +250,7 @@ from llmlab.profiling.steps import fit_step_cost, prompt_token_cost, step_arrays
 from llmlab.viz.serving import plot_rounds
 
 hf_logging.disable_progress_bar()
-N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (10, 5, 3)
+N, SEATS, ROUNDS = (6, 3, 3) if QUICK else (8, 4, 3)
 short = [r for r in load_trace(TRACE, tokenizer=tok, output_scale=0.4)
          if len(r.prompt_token_ids) <= 40]
 part, warm = short[:N], [r for r in load_trace(TRACE, tokenizer=tok, max_output=4)][:SEATS]
