@@ -298,3 +298,61 @@ def test_a_compiler_that_hangs_is_stopped(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"no answer within 0.5 s"):
         cpu_gemv._build(str(hang), native=False)
     assert not [p for p in (tmp_path / "cache" / "kernels").iterdir()]    # no half-written file
+
+
+def _op_inputs(m: int, n: int, k: int, seed: int):
+    """x [m, k] and each format's operator arguments for one random W [n, k]."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    (q, scale), (packed, _, d, mn), (q8, d8), (w8, s8) = _every_format(w)
+    return x, {"int8": (q, scale), "q4": (packed, d, mn, 32), "q8_0": (q8, d8),
+               "fp8": (w8, s8), "f32": (w,)}
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 37, 64), (3, 21, 96), (9, 130, 576)])
+def test_the_operators_run_the_c_kernels_in_cpp_where_a_cpp_compiler_works(m, n, k):
+    """The gemv operators' CPU kernels are cpu_gemv_ops.cpp's (3 µs a call, not the Python
+    kernel's 9) and give exactly what the C function gives through ctypes; strided and
+    batched x included."""
+    dump = torch._C._dispatch_dump("llmlab::f32_gemv")
+    cpu = next(line for line in dump.splitlines() if line.startswith("CPU:"))
+    if cpu_gemv._compiler("CXX", ("c++", "g++", "clang++")) is None:
+        assert "no C++ compiler" in cpu_gemv.describe() and "cpu_gemv_ops" not in cpu
+        return
+    assert "operators: C++ kernels" in cpu_gemv.describe() and "cpu_gemv_ops.cpp" in cpu, cpu
+    x, args = _op_inputs(m, n, k, seed=m * n + k)
+    for fmt, others in args.items():
+        op, width = cpu_gemv.GEMV_OPS[fmt], k
+        direct = cpu_gemv.gemv_unchecked(fmt, x, others[0], k, **dict(zip(
+            {"int8": ["scale"], "q4": ["d", "m", "group_size"], "q8_0": ["d"], "fp8": ["scale"],
+             "f32": []}[fmt], others[1:])))
+        assert torch.equal(op(x, *others), direct), fmt
+        strided = torch.cat([x, x], dim=1)[:, ::2]                 # not contiguous: copied
+        assert torch.equal(op(strided, *others), op(strided.contiguous(), *others)), fmt
+        batched = op(x.expand(2, m, width), *others)               # [..., K]: 2m rows
+        assert batched.shape == (2, m, n), fmt
+        assert torch.equal(batched.reshape(2 * m, n), op(torch.cat([x, x]), *others)), fmt
+        with pytest.raises(ValueError, match=rf"_gemv: x must be float32 \[\.\.\., {k}\]; "
+                                             rf"got Float \[{m}, {k - 1}\]"):
+            op(x[:, :k - 1].contiguous(), *others)
+        with pytest.raises(ValueError, match="x must be float32"):
+            op(x.double(), *others)
+    packed, d, mn, _ = args["q4"]
+    with pytest.raises(ValueError, match=r"group_size=48 \(code -1\)"):     # refused in C
+        cpu_gemv.GEMV_OPS["q4"](x, packed, d, mn, 48)
+
+
+def test_without_the_cpp_kernels_the_operators_keep_python_ones():
+    import subprocess
+    import sys
+    code = ("import torch; from llmlab.kernels import cpu_gemv as c; c.available(); "
+            "print(c.describe()); x, w = torch.randn(2, 40), torch.randn(5, 40); "
+            "print(torch.equal(c.GEMV_OPS['f32'](x, w), c.gemv_unchecked('f32', x, w, 40)), "
+            "c.skips_dispatcher(x), 'cpu_gemv.py' in torch._C._dispatch_dump('llmlab::f32_gemv')"
+            ".split('CPU:')[1].splitlines()[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "LLMLAB_CPU_GEMV_OPS": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    describe, result = out.stdout.splitlines()[-2:]
+    assert "Python kernels (C++ kernels turned off by LLMLAB_CPU_GEMV_OPS=0)" in describe
+    assert result == "True True True"
