@@ -169,16 +169,18 @@ def _cached_build(stem: str, key: bytes, commands: list[list[str]]) -> Path:
 
 
 def _build_ops(cxx: str) -> Path:
-    """``cpu_gemv_ops.cpp`` built against the installed torch, once per source, compiler
-    and torch."""
+    """``cpu_gemv_ops.cpp`` built against the installed torch (C++20, else C++17), once per
+    source, compiler and torch."""
     version = _run([cxx, "--version"]).stdout
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = OPS_SOURCE.read_bytes() + version.encode() + f"{torch.__version__} {root} {abi}".encode()
-    cmd = [cxx, "-O2", "-std=c++17", "-w", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           "-I", str(root / "include"), str(OPS_SOURCE), "-L", str(root / "lib"), "-lc10",
-           "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
-    return _cached_build("cpu_gemv_ops", key, [cmd])
+    rest = ["-w", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I",
+            str(root / "include"), str(OPS_SOURCE), "-L", str(root / "lib"), "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
+    # torch's own extensions build as C++20; an older compiler may still take its headers as C++17
+    return _cached_build("cpu_gemv_ops", key, [[cxx, "-O2", f"-std={std}", *rest]
+                                               for std in ("c++20", "c++17")])
 
 
 def _load():

@@ -15,7 +15,7 @@
  * own, valid by construction. A layout the C code refuses raises ValueError.
  *
  * Built by cpu_gemv.py with the machine's C++ compiler against the installed torch's
- * headers and libraries (-O2 -std=c++17), cached like the C library.
+ * headers and libraries (-O2, C++20 or else C++17), cached like the C library.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
