@@ -316,20 +316,18 @@ def test_the_operators_run_the_c_kernels_in_cpp_where_a_cpp_compiler_works(m, n,
     batched x included."""
     dump = torch._C._dispatch_dump("llmlab::f32_gemv")
     cpu = next(line for line in dump.splitlines() if line.startswith("CPU:"))
-    if cpu_gemv._compiler("CXX", ("c++", "g++", "clang++")) is None:
+    if cpu_gemv._cxx_compiler() is None:
         assert "no C++ compiler" in cpu_gemv.describe() and "cpu_gemv_ops" not in cpu
         return
     assert "operators: C++ kernels" in cpu_gemv.describe() and "cpu_gemv_ops.cpp" in cpu, cpu
     x, args = _op_inputs(m, n, k, seed=m * n + k)
     for fmt, others in args.items():
-        op, width = cpu_gemv.GEMV_OPS[fmt], k
-        direct = cpu_gemv.gemv_unchecked(fmt, x, others[0], k, **dict(zip(
-            {"int8": ["scale"], "q4": ["d", "m", "group_size"], "q8_0": ["d"], "fp8": ["scale"],
-             "f32": []}[fmt], others[1:])))
+        op = cpu_gemv.GEMV_OPS[fmt]
+        direct = cpu_gemv._GEMV_KERNELS[fmt][1](x, *others)    # the Python kernel: ctypes
         assert torch.equal(op(x, *others), direct), fmt
         strided = torch.cat([x, x], dim=1)[:, ::2]                 # not contiguous: copied
         assert torch.equal(op(strided, *others), op(strided.contiguous(), *others)), fmt
-        batched = op(x.expand(2, m, width), *others)               # [..., K]: 2m rows
+        batched = op(x.expand(2, m, k), *others)                   # [..., K]: 2m rows
         assert batched.shape == (2, m, n), fmt
         assert torch.equal(batched.reshape(2 * m, n), op(torch.cat([x, x]), *others)), fmt
         with pytest.raises(ValueError, match=rf"_gemv: x must be float32 \[\.\.\., {k}\]; "

@@ -297,7 +297,8 @@ static void run(gemv_t *g, int nthreads) {
 
 /* y = x W^T for any of the formats: fmt 0 int8 (scale), 1 q4 (d, m, G), 2 q8_0 (d),
  * 3 fp8 (scale), 4 f32; pointers a format does not use may be anything valid. Returns 0,
- * -1 for a layout this file does not take (see Limits), -2 when the q4 input copy finds no memory. */
+ * -1 for a layout this file does not take (see Limits), -2 when the q4 input copy finds
+ * no memory. */
 /* The sizes a format takes (see Limits); the group size is what the group formats divide
  * by, so it is checked here as well as in Python: 0 on a valid layout, -1 otherwise. */
 static int check_layout(int fmt, int M, int N, int K, int G) {

@@ -72,10 +72,15 @@ def _cpu_id() -> str:
 
 
 def _compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -> str | None:
+    """The first of ``$env`` and ``names`` found on the PATH, or None."""
     for cc in (os.environ.get(env), *names):
         if cc and shutil.which(cc):
             return cc
     return None
+
+
+def _cxx_compiler() -> str | None:
+    return _compiler("CXX", ("c++", "g++", "clang++"))
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -460,28 +465,29 @@ def _python_kernels() -> torch.library.Library:
     return lib
 
 
-_PY_KERNELS = [_python_kernels()]
+_PY_KERNELS = _python_kernels()
 
 
 def _use_cxx_kernels(lib) -> str | None:
     """Put ``cpu_gemv_ops.cpp``'s C++ kernels in place of the gemv operators' Python ones
     (called once, when the C library has loaded). Returns None, or why the Python kernels
     stay: ``LLMLAB_CPU_GEMV_OPS=0``, no C++ compiler, or a failed build or load."""
+    global _PY_KERNELS
     if os.environ.get("LLMLAB_CPU_GEMV_OPS", "1") == "0":
         return "C++ kernels turned off by LLMLAB_CPU_GEMV_OPS=0"
-    cxx = _compiler("CXX", ("c++", "g++", "clang++"))
+    cxx = _cxx_compiler()
     if cxx is None:
         return "no C++ compiler found ($CXX, c++, g++ or clang++)"
     try:
         path = _build_ops(cxx)
     except RuntimeError as e:
         return f"could not build {OPS_SOURCE.name}: {e}"
-    _PY_KERNELS.pop()._destroy()       # one kernel per dispatch key: the Python one goes first
+    _PY_KERNELS._destroy()             # one kernel per dispatch key: the Python one goes first
     try:
         torch.ops.load_library(str(path))
         ctypes.CDLL(str(path)).llmlab_ops_init(ctypes.cast(lib.llmlab_gemv, ctypes.c_void_p))
     except (OSError, AttributeError) as e:
-        _PY_KERNELS.append(_python_kernels())
+        _PY_KERNELS = _python_kernels()
         return f"could not load {path.name}: {e}"
     return None
 
