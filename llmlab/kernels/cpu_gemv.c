@@ -35,6 +35,8 @@
  * g), one short dot product per row at the end. For int8 and one row of x (decode) each
  * accumulator is split in two, so that 8 chains of FMAs are in flight. The codes of the
  * rows PREFETCH_BYTES ahead are prefetched: each call streams a different matrix once.
+ * f32 with one row of x skips the tiles: each thread reads its rows one after the other
+ * (f32_rows), a single stream the hardware prefetcher keeps ahead of.
  *
  * Vector path: AVX2 + FMA + F16C (8 float32 lanes) when the compiler targets them (it is
  * built with -march=native on the machine that runs it); otherwise plain C loops.
@@ -45,6 +47,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LLMLAB_AVX2 1
@@ -275,7 +280,48 @@ AI void tiles(const gemv_t *g, int fmt, int gc, int n0, int n1) {
     }
 }
 
+/* f32, one row of x (batch-1 decode): each thread takes one contiguous run of output rows
+ * and reads it front to back, one weight row after the other, so that its reads are a
+ * single sequential stream. The tiles' 4 interleaved row streams plus software prefetch
+ * reach about 26 GB/s on a 2-core EPYC where this loop reaches about 33 GB/s, what a
+ * plain sum over the same bytes reads (nothing is widened, so there is no arithmetic to
+ * share across rows; 4 accumulators of 8 lanes keep the FMAs ahead of the loads). */
+static void f32_rows(const gemv_t *g, int nthreads) {
+    const float *x = g->x;
+    const int K = g->K, N = g->N;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        int n1 = (int)((long long)N * (t + 1) / T);
+        for (int n = (int)((long long)N * t / T); n < n1; n++) {
+            const float *r = (const float *)g->w + (size_t)n * K;
+            float s = 0.0f;
+            int k = 0;
+#ifdef LLMLAB_AVX2
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (; k + 32 <= K; k += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k), _mm256_loadu_ps(x + k), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+            }
+            s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+            for (; k < K; k++) s += r[k] * x[k];
+            g->y[n] = s;
+        }
+    }
+}
+
 static void run(gemv_t *g, int nthreads) {
+    if (g->fmt == FMT_F32 && g->M == 1) {
+        f32_rows(g, nthreads);
+        return;
+    }
     g->ahead = (int)((PREFETCH_BYTES / g->row_bytes + NR - 1) / NR * NR);
     if (g->ahead < NR) g->ahead = NR;
     int nb = (g->N + NBLOCK - 1) / NBLOCK;
