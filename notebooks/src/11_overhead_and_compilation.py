@@ -313,8 +313,14 @@ display(Markdown(
     f"{pe.median_s * 1e3:.1f} ms ({roof1 / pe.median_s:.0%} of the memory roof) and the "
     f"compiled step {pc.median_s * 1e3:.1f} ms ({roof1 / pc.median_s:.0%}). Compiling removed "
     f"{pe.ops - pc.ops} of {pe.ops} operator calls ({pe.ops / pc.ops:.1f}× fewer), which the "
-    f"model prices at {(pe.ops - pc.ops) * t_op * 1e3:.1f} ms; the step changed by "
-    f"{(pc.median_s - pe.median_s) * 1e3:+.1f} ms. "
+    f"model prices at {(pe.ops - pc.ops) * t_op * 1e3:.1f} ms; the step took "
+    f"{abs(pc.median_s - pe.median_s) * 1e3:.1f} ms {'less' if pc.median_s < pe.median_s else 'more'}. Outside the matmuls it went from "
+    f"{e1.outside_s * 1e3:.1f} to {compiled_br.outside_s * 1e3:.1f} ms; inside them "
+    f"from {e1.matmul_s * 1e3:.1f} ms (`aten::linear`, which calls the BLAS) to "
+    f"{compiled_br.matmul_s * 1e3:.1f} ms"
+    + (" (`llmlab::f32_gemv`, the graph pass's C loop, which reads each thread's weight rows "
+       "as one sequential stream)" if compiled_br.ops.by_name["llmlab::f32_gemv"] else "")
+    + ". "
     + (f"The compiled step was {pe.median_s / pc.median_s:.2f}× faster." if pc.median_s < pe.median_s
        else "The compiled step was not faster here: it attends over its whole bucket of "
             "256 slots where eager reads only the filled ones, Dynamo checks its guards on the "
