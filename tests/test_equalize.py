@@ -60,9 +60,10 @@ def test_shared_index_gives_shared_scales():
 @pytest.mark.slow
 def test_equalize_lowers_int8_output_error(smollm2, tokenizer, monkeypatch):
     """End to end on SmolLM2: equalized int8 (RTN) beats plain int8 on held-out text (with a
-    quarter of the optimizer's steps, as the full 200 take minutes on two cores)."""
+    eighth of the optimizer's steps, as the full 200 take minutes on two cores; at 25 steps
+    the equalized KL is about 0.45x the plain one)."""
     from llmlab.quant import eval as qeval
-    monkeypatch.setattr(eq, "STEPS", eq.STEPS // 4)
+    monkeypatch.setattr(eq, "STEPS", eq.STEPS // 8)
     cal = gptq.calibration_token_ids(tokenizer, 512)
     ids = qeval.eval_token_ids(tokenizer)[:257]
     plain = llmlab.quantize(smollm2, "int8", exact_top=0)
