@@ -16,7 +16,11 @@ shape with the position, as in gpt-fast's ``KVCache``:
 The price is that a decode step attends over ``max_len`` slots whatever the length (the
 masked ones cost compute but change nothing), which is why ``max_len`` is sized to the
 generation at hand, rounded up to a power of two (:func:`slots_for`) so that generations
-of similar lengths share a compiled graph. Taught in notebook 11.
+of similar lengths share a compiled graph. On the CPU in float32, :meth:`StaticKVCache.attend`
+calls ``llmlab::static_attend`` instead (``kernels/cpu_gemv_ops.cpp``, where a C++ compiler
+builds it): the same write and read as one operator, which writes in place (a compiled
+graph would otherwise copy each layer's cache) and reads only the slots a query sees; the
+shapes stay fixed, so the graph does too. Taught in notebook 11.
 
 Protocol (the contiguous cache's, so :class:`llmlab.generate.ContiguousBatch` drives it)::
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_gemv
 from .contiguous import check_sizes
 
 
@@ -154,10 +159,13 @@ class StaticKVCache:
 
         q [batch, s, heads, head_dim]; k, v [batch, s, kv_heads, head_dim] (rotated).
         Returns [batch, s, heads, head_dim]. ``backend`` is not used: the masked read of a
-        fixed number of slots is scaled_dot_product_attention with a boolean mask.
+        fixed number of slots is scaled_dot_product_attention with a boolean mask
+        (:func:`static_attend`), or its C++ operator on the CPU (see the module's docstring).
         """
-        return static_attend(self.k[layer_idx], self.v[layer_idx], self.slots,
-                             self.slot_ids, q, k, v)
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if cpu_gemv.cxx_static_attend(kc, q):    # the same, in C++: in place, visible slots only
+            return torch.ops.llmlab.static_attend(kc, vc, self.slots, q, k, v)
+        return static_attend(kc, vc, self.slots, self.slot_ids, q, k, v)
 
     def __repr__(self) -> str:
         return (f"StaticKVCache(layers={self.num_layers}, batch={self.batch}, "

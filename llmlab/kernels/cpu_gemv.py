@@ -175,16 +175,19 @@ def _cached_build(stem: str, key: bytes, commands: list[list[str]]) -> Path:
 
 def _build_ops(cxx: str) -> Path:
     """``cpu_gemv_ops.cpp`` built against the installed torch (C++20, else C++17), once per
-    source, compiler and torch."""
+    source, compiler, CPU and torch."""
     version = _run([cxx, "--version"]).stdout
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = OPS_SOURCE.read_bytes() + version.encode() + f"{torch.__version__} {root} {abi}".encode()
+    key = (OPS_SOURCE.read_bytes() + version.encode() + _cpu_id().encode()
+           + f"{torch.__version__} {root} {abi}".encode())
     rest = ["-w", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I",
             str(root / "include"), str(OPS_SOURCE), "-L", str(root / "lib"), "-lc10",
             "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
-    # torch's own extensions build as C++20; an older compiler may still take its headers as C++17
-    return _cached_build("cpu_gemv_ops", key, [[cxx, "-O2", f"-std={std}", *rest]
+    # torch's own extensions build as C++20; an older compiler may still take its headers as
+    # C++17. -march=native vectorizes static_attend's loops (the gemv calls go to the C library)
+    return _cached_build("cpu_gemv_ops", key, [[cxx, "-O3", *arch, f"-std={std}", *rest]
+                                               for arch in (["-march=native"], [])
                                                for std in ("c++20", "c++17")])
 
 
@@ -456,12 +459,37 @@ for _fmt, (_schema, _kernel) in _GEMV_KERNELS.items():
     torch.library.register_fake(f"llmlab::{_fmt}_gemv", _fake_gemv(_fmt), lib=_OPS)
 
 
+# The static KV cache's write and read for one layer (cpu_gemv_ops.cpp: the new K/V written in
+# place, each query reading only its visible slots). Its Python kernel is the PyTorch reference.
+_OPS.define("static_attend(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor q, "
+            "Tensor k, Tensor v) -> Tensor")
+
+
+def _static_attend(k_cache, v_cache, slots, q, k, v):
+    from ..cache.static import static_attend     # the reference; cache imports kernels
+    ids = torch.arange(k_cache.shape[2], device=k_cache.device)
+    return static_attend(k_cache, v_cache, slots, ids, q, k, v)
+
+
+@torch.library.register_fake("llmlab::static_attend", lib=_OPS)
+def _fake_static_attend(k_cache, v_cache, slots, q, k, v):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def cxx_static_attend(k_cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``llmlab::static_attend`` runs as the C++ kernel for these tensors: float32 on
+    the CPU, with the C++ kernels loaded (:func:`describe`)."""
+    return (k_cache.device.type == "cpu" and k_cache.dtype == q.dtype == torch.float32
+            and available() and _LIB.get("ops_error") is None)
+
+
 def _python_kernels() -> torch.library.Library:
-    """The gemv operators' Python CPU kernels, in a library of their own, so that they can be
+    """The operators' Python CPU kernels, in a library of their own, so that they can be
     removed when the C++ ones load (:func:`_use_cxx_kernels`)."""
     lib = torch.library.Library("llmlab", "IMPL", "CPU")
     for fmt, (_, kernel) in _GEMV_KERNELS.items():
         lib.impl(f"{fmt}_gemv", kernel)
+    lib.impl("static_attend", _static_attend)
     return lib
 
 
