@@ -59,9 +59,11 @@ def test_count_ops_sees_no_nested_linear_twice():
 
 def test_matmul_names():
     for name in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm",
-                 "aten::_weight_int8pack_mm", "llmlab::gemv"):
+                 "aten::_weight_int8pack_mm", "llmlab::gemv", "llmlab::q4_gemv",
+                 "llmlab::f32_gemv", "llmlab::dequantize"):
         assert is_matmul(name), name
-    for name in ("aten::add", "aten::scaled_dot_product_attention", "aten::mmx", "mm"):
+    for name in ("aten::add", "aten::scaled_dot_product_attention", "aten::mmx", "mm",
+                 "llmlab::static_attend"):
         assert not is_matmul(name), name
 
 

@@ -48,7 +48,9 @@ from .timer import Timer, time_fn
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm",
                         "_weight_int8pack_mm", "_weight_int4pack_mm",
                         "_weight_int4pack_mm_for_cpu"})
-MATMUL_NAMESPACES = frozenset({"llmlab"})
+#: llmlab's own matmul-like operators: the CPU GEMVs (``llmlab::q4_gemv``, ...) and the
+#: dequantize before a prefill GEMM; ``llmlab::static_attend`` is attention, not one of them.
+LLMLAB_MATMULS = ("gemv", "dequantize")
 #: Namespaces of operators (profiler events named ``namespace::name``).
 OP_NAMESPACES = frozenset({"aten", "prims", "llmlab", "quantized", "_c10d_functional",
                            "c10d", "inductor"})
@@ -61,9 +63,14 @@ def is_op(name: str) -> bool:
 
 
 def is_matmul(name: str) -> bool:
-    """True for a matmul-like operator name (``aten::mm``, ``aten::linear``, ``llmlab::*``)."""
+    """True for a matmul-like operator name (``aten::mm``, ``aten::linear``,
+    ``llmlab::*_gemv``, ``llmlab::dequantize``)."""
     ns, sep, op = name.partition("::")
-    return bool(sep) and (ns in MATMUL_NAMESPACES or (ns == "aten" and op in MATMUL_OPS))
+    if not sep:
+        return False
+    if ns == "llmlab":
+        return op.endswith(LLMLAB_MATMULS)
+    return ns == "aten" and op in MATMUL_OPS
 
 
 @dataclass

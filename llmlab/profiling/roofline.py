@@ -55,6 +55,18 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device=None) 
     return 2 * src.numel() * 4 / t.min_s
 
 
+def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device=None) -> float:
+    """Bytes/s of ``src.sum()`` on a buffer much larger than the caches: a pure read, what a
+    decode step's weights need (a copy also writes, and its rate can be the lower one). The
+    best of ``repeats`` runs."""
+    if nbytes < 2**20:
+        raise ValueError(f"nbytes={nbytes} is too small to defeat the caches; use >= 1 MiB")
+    dev = torch.device(device) if device is not None else default_device()
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    t = time_fn(lambda: src.sum(), repeats=repeats, warmup=1, device=dev)
+    return src.numel() * 4 / t.min_s
+
+
 def measure_matmul_flops(n: int = 1024, dtype: str | torch.dtype = torch.float32,
                          repeats: int = 5, device=None) -> float:
     """FLOP/s of an [n, n] @ [n, n] matmul (2 · n³ FLOPs), the best of ``repeats``."""
