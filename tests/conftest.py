@@ -1,4 +1,5 @@
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -85,6 +86,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Plots drawn by a test are closed after it, so a worker's figures do not pile up."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:       # only where a test drew something
+        sys.modules["matplotlib.pyplot"].close("all")
 
 
 @pytest.fixture(scope="module")
