@@ -11,8 +11,7 @@ from llmlab.models import resolve  # noqa: E402
 from llmlab.profiling.flops import model_flops_per_token, weight_bytes  # noqa: E402
 from llmlab.profiling.roofline import (Ceilings, Cost, RooflinePoint, decode_cost,  # noqa: E402
                                        forward_cost, measure_bandwidth, measure_ceilings,
-                                       measure_matmul_flops, measure_read_bandwidth,
-                                       prefill_cost)
+                                       measure_matmul_flops, prefill_cost)
 
 CEIL = Ceilings(bandwidth_bytes_per_s=10e9, peak_flops_per_s=100e9, device="test")
 
@@ -60,7 +59,7 @@ def test_ceilings_and_points():
 
 def test_measured_ceilings_are_plausible():
     bw = measure_bandwidth(16 * 2**20, repeats=2)
-    read = measure_read_bandwidth(16 * 2**20, repeats=2)
+    read = measure_bandwidth(16 * 2**20, repeats=2, read_only=True)
     fl = measure_matmul_flops(256, repeats=2)
     assert 1e8 < bw < 1e13 and 1e8 < read < 1e13 and 1e8 < fl < 1e16
     c = measure_ceilings(copy_bytes=8 * 2**20, matmul_n=128, repeats=1)
@@ -71,7 +70,7 @@ def test_bad_arguments(cfg):
     with pytest.raises(ValueError, match="nbytes=1000 is too small"):
         measure_bandwidth(1000)
     with pytest.raises(ValueError, match="nbytes=1000 is too small"):
-        measure_read_bandwidth(1000)
+        measure_bandwidth(1000, read_only=True)
     with pytest.raises(ValueError, match="n=8 is too small"):
         measure_matmul_flops(8)
     with pytest.raises(ValueError, match="new_tokens=0"):

@@ -138,7 +138,7 @@ def generation_rows(model, tok, batches: list[int], new_tokens: int, repeats: in
 def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> dict:
     import llmlab
     from ..profiling.overhead import measure_op_overhead
-    from ..profiling.roofline import measure_bandwidth, measure_read_bandwidth
+    from ..profiling.roofline import measure_bandwidth
     from ..cache.static import slots_for
 
     model = llmlab.load_model("smollm2-135m", attention="sdpa")
@@ -148,7 +148,7 @@ def bench(quick: bool, repeats: int, new_tokens: int, threads: int | None) -> di
         models["int8"] = llmlab.quantize(model, "int8")
         models["int4"] = llmlab.quantize(model, "int4")
     batches = [1] if quick else [1, 8]
-    copy_bw, read_bw = measure_bandwidth(), measure_read_bandwidth()
+    copy_bw, read_bw = measure_bandwidth(), measure_bandwidth(read_only=True)
     bw = max(copy_bw, read_bw)
     t_op = measure_op_overhead()
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s, read bandwidth {read_bw / 1e9:.1f} GB/s "

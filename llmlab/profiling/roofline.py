@@ -40,31 +40,25 @@ class Ceilings:
         return min(self.peak_flops_per_s, self.bandwidth_bytes_per_s * intensity)
 
 
-def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device=None) -> float:
+def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device=None,
+                      read_only: bool = False) -> float:
     """Bytes/s of ``dst.copy_(src)`` on a buffer much larger than the caches.
 
-    A copy reads ``nbytes`` and writes ``nbytes``: 2 · nbytes moved per copy. The best
-    of ``repeats`` runs is reported (the ceiling, not the average).
+    A copy reads ``nbytes`` and writes ``nbytes``: 2 · nbytes moved per copy. With
+    ``read_only``, ``src.sum()`` instead: a pure read of ``nbytes``, what a decode step's
+    weights need (a copy also writes, and its rate can be the lower one). The best of
+    ``repeats`` runs is reported (the ceiling, not the average).
     """
     if nbytes < 2**20:
         raise ValueError(f"nbytes={nbytes} is too small to defeat the caches; use >= 1 MiB")
     dev = torch.device(device) if device is not None else default_device()
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    if read_only:
+        t = time_fn(lambda: src.sum(), repeats=repeats, warmup=1, device=dev)
+        return src.numel() * 4 / t.min_s
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), repeats=repeats, warmup=1, device=dev)
     return 2 * src.numel() * 4 / t.min_s
-
-
-def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device=None) -> float:
-    """Bytes/s of ``src.sum()`` on a buffer much larger than the caches: a pure read, what a
-    decode step's weights need (a copy also writes, and its rate can be the lower one). The
-    best of ``repeats`` runs."""
-    if nbytes < 2**20:
-        raise ValueError(f"nbytes={nbytes} is too small to defeat the caches; use >= 1 MiB")
-    dev = torch.device(device) if device is not None else default_device()
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-    t = time_fn(lambda: src.sum(), repeats=repeats, warmup=1, device=dev)
-    return src.numel() * 4 / t.min_s
 
 
 def measure_matmul_flops(n: int = 1024, dtype: str | torch.dtype = torch.float32,
