@@ -4,7 +4,8 @@
     python notebooks/build.py 01 03           # those whose name starts with 01 or 03
 
 Sources are ``notebooks/src/NN_name.py``: cells start with ``# %%`` (code) or
-``# %% [markdown]`` (markdown, each line prefixed with ``# ``). The built notebook
+``# %% [markdown]`` (markdown, each line prefixed with ``# ``); a code cell's
+``# NBVAL_CHECK_OUTPUT`` line becomes its ``nbval-check-output`` tag. The built notebook
 ``notebooks/NN_name.ipynb`` is executed top to bottom and saved with its outputs,
 which is how it is committed. Solutions (``notebooks/src/solutions/*.py``) build into
 ``notebooks/solutions/``.
@@ -26,6 +27,12 @@ HERE = Path(__file__).resolve().parent
 CELL_TIMEOUT_S = 300
 
 
+# nbval's markers written in a source cell become the cell's tags, which nbval reads the
+# same way: the student sees the code, not a comment about how the tests compare it
+TAGS = {"# NBVAL_CHECK_OUTPUT": "nbval-check-output", "# NBVAL_IGNORE_OUTPUT": "nbval-ignore-output",
+        "# NBVAL_SKIP": "nbval-skip"}
+
+
 def parse(text: str) -> list:
     cells, kind, buf = [], None, []
 
@@ -37,7 +44,13 @@ def parse(text: str) -> list:
             lines = [ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in body.splitlines()]
             cells.append(nbformat.v4.new_markdown_cell("\n".join(lines)))
         elif body:
-            cells.append(nbformat.v4.new_code_cell(body))
+            lines = body.splitlines()
+            tags = [TAGS[ln.strip()] for ln in lines if ln.strip() in TAGS]
+            body = "\n".join(ln for ln in lines if ln.strip() not in TAGS).strip("\n")
+            cell = nbformat.v4.new_code_cell(body)
+            if tags:
+                cell.metadata["tags"] = tags
+            cells.append(cell)
 
     for line in text.splitlines():
         if line.startswith("# %%"):

@@ -1,6 +1,7 @@
 """How nbval compares a notebook's printed errors: against a tolerance, not as text.
 
-Cells marked ``# NBVAL_CHECK_OUTPUT`` print parity errors (``max |Δ| 3.1e-07``) whose last
+Cells tagged ``nbval-check-output`` (written ``# NBVAL_CHECK_OUTPUT`` in the source;
+``build.py`` turns the comment into the tag) print parity errors (``max |Δ| 3.1e-07``) whose last
 digits depend on the machine. Instead of rewriting every such number to one token (which
 would also accept an error that grew from 1e-7 to 0.5), each small number a cell prints,
 ``d.ddde-XX`` or ``0.0e+00``, is compared with the number at the same place in the
@@ -82,6 +83,11 @@ def _install() -> None:
 
 
 _install()
+
+# What a notebook's run was meant to show (llmlab.profiling.expect) is a check here: a
+# student's run prints a note when a lesson is not resolved, a tested run fails. The
+# notebook kernels inherit this environment.
+os.environ.setdefault("LLMLAB_STRICT_LESSONS", "1")
 
 # In a parallel run each worker's notebook kernels get its share of the cores
 # (OMP_NUM_THREADS, which the kernels inherit). All cells of one notebook run on one

@@ -102,3 +102,28 @@ def test_the_kernel_is_not_one_that_can_strand_a_request():
 
     major, minor = (int(x) for x in version("ipykernel").split(".")[:2])
     assert not (major == 7 and minor < 4), f"ipykernel {version('ipykernel')}: use >= 7.4"
+
+
+def test_the_build_turns_nbval_markers_into_tags_the_student_does_not_read():
+    build = load(NOTEBOOKS / "build.py", "notebook_build_tags")
+    cells = build.parse("# %%\n# NBVAL_CHECK_OUTPUT\nprint(1)\n\n# %%\nx = 2\n")
+    assert cells[0].source == "print(1)" and cells[0].metadata["tags"] == ["nbval-check-output"]
+    assert "tags" not in cells[1].metadata
+
+
+def test_every_committed_notebook_marks_compared_cells_by_tag_only():
+    for path in sorted(NOTEBOOKS.glob("**/*.ipynb")):
+        nb = nbformat.read(str(path), as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert not [c for c in code if "NBVAL_" in c.source], f"{path.name}: a marker comment"
+        if path.parent == NOTEBOOKS:
+            assert any("nbval-check-output" in c.metadata.get("tags", []) for c in code), \
+                f"{path.name}: no compared cell"
+
+
+@pytest.mark.slow
+def test_nbval_compares_a_tagged_cell(tmp_path):
+    nb = notebook([("ERR = 0.5", ""), ("print(f'max |Δ| = {ERR:.1e}')", "max |Δ| = 2.0e-07\n")])
+    nb.cells[1].metadata["tags"] = ["nbval-check-output"]
+    bad = run_nbval(tmp_path, nb)
+    assert bad.returncode == 1 and "5.0e-01" in bad.stdout, bad.stdout[-2000:]
