@@ -24,6 +24,18 @@ def test_a_clear_slowdown_is_slower_and_says_by_how_much():
     assert c.verdict == SLOWER
     assert c.hi < 1
     assert "1.5" in c.sentence() and "slower" in c.sentence()
+    # the interval is printed the way round of the headline number: around 1.5, not 0.67
+    lo, hi = (float(x) for x in c.sentence().split("interval ")[1].split(",")[0].split("–"))
+    assert lo <= 1 / c.ratio <= hi and lo > 1
+
+
+def test_a_named_quantity_reads_as_a_multiple_of_the_baseline():
+    c = compare(noisy(160, 0.03, 5, 11), noisy(110, 0.03, 5, 12), "whole prompts",
+                "chunked prefill", quantity="worst stall")
+    assert c.verdict == FASTER
+    assert c.sentence().startswith("the worst stall of chunked prefill is 0.70× that of whole")
+    tie = compare(noisy(10, 0.2, 5, 13), noisy(10, 0.2, 5, 14), "a", "b", quantity="TPOT")
+    assert "no difference at this noise" in tie.sentence()
 
 
 def test_overlapping_runs_are_a_tie_not_a_win_by_order():
@@ -84,8 +96,9 @@ def test_a_power_fit_finds_the_exponent():
 def test_expect_notes_an_unshown_lesson_for_a_student_and_fails_under_the_tests(monkeypatch,
                                                                                capsys):
     monkeypatch.delenv("LLMLAB_STRICT_LESSONS", raising=False)
-    assert expect(True, "anything") is True
-    assert expect(False, "the cache is faster") is False
+    expect(True, "anything")
+    assert capsys.readouterr().out == ""
+    expect(False, "the cache is faster")
     assert "did not show the cache is faster" in capsys.readouterr().out
     monkeypatch.setenv("LLMLAB_STRICT_LESSONS", "1")
     with pytest.raises(LessonNotShown, match="the cache is faster"):

@@ -284,9 +284,9 @@ def test_exercise_checks_reject_wrong_and_accept_right():
     from llmlab import exercises
 
     check = exercises.check
-    assert not check("nb05.padding", ...).passed
-    assert not check("nb05.padding", 7, prompt_lengths=[3, 5]).passed
-    assert check("nb05.padding", 2, prompt_lengths=[3, 5]).passed
+    assert not check("nb05.predict_stall", "2").passed
+    assert check("nb05.predict_stall", 2.2, measured=2.0).passed
+    assert not check("nb05.predict_stall", 1.0, measured=2.0).passed
     assert not check("nb05.cu_seqlens", lambda lens: None).passed
     assert not check("nb05.cu_seqlens", lambda lens: [0] + lens).passed
     assert "ZeroDivisionError" in check("nb05.cu_seqlens", lambda lens: 1 / 0).message

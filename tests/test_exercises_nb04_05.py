@@ -144,23 +144,30 @@ def test_notebook_05_figures_draw(tmp_path):
     assert "3 runs" in fig.axes[0].get_xlabel()
     with pytest.raises(ValueError, match="non-empty"):
         serving.plot_rounds({"a": []}, "tok/s")
-    rows = [{"policy": "p", "rate": r, "tokens_per_s": 10.0 * r, "e2e_mean_s": 1.0 / r,
-             "tokens_per_s_range": (9.0 * r, 11.0 * r), "e2e_mean_range": (0.9 / r, 1.1 / r)}
-            for r in (1, 2)]
-    serving.plot_throughput_latency(rows).savefig(tmp_path / "tl.png")
 
 
-def test_arrival_sweep_takes_medians_over_repeats():
+def test_load_sweep_gives_percentiles_with_intervals_at_each_rate(tmp_path):
     import llmlab
     from llmlab.engine import LLM
 
     model = llmlab.load_model("tiny-llama", attention="sdpa")
     tok = llmlab.load_tokenizer("tiny-llama")
-    llms = {"continuous": LLM(model, tok, max_num_seqs=2, num_blocks=32, block_size=4)}
-    rows = serving.arrival_sweep(llms, [[5, 6, 7], [8, 9]], [3, 2], [0.0, 0.01], [1000.0],
-                                 repeats=3)
-    (row,) = rows
-    lo, hi = row["e2e_mean_range"]
-    assert lo <= row["e2e_mean_s"] <= hi and row["tokens_per_s"] > 0
-    with pytest.raises(ValueError, match="repeats"):
-        serving.arrival_sweep(llms, [[5]], [1], [0.0], [10.0], repeats=0)
+    llms = {p: LLM(model, tok, scheduler=p, max_num_seqs=2, num_blocks=64, block_size=4)
+            for p in ("static", "continuous")}
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    outs = [3, 9, 2, 6, 4, 8]
+    caps = {p: serving.capacity(e, prompts, outs) for p, e in llms.items()}
+    assert all(c > 0 for c in caps.values())
+    rows = serving.load_sweep(llms, prompts, outs, [50.0, 5000.0])
+    assert [(r["policy"], r["rate"]) for r in rows] == [
+        ("static", 50.0), ("continuous", 50.0), ("static", 5000.0), ("continuous", 5000.0)]
+    for r in rows:
+        assert r["requests"] == 6 and r["output_tokens"] == sum(outs)
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] <= r["tpot_p99_s"]
+        lo, hi = r["ttft_p99_ci"]
+        assert lo <= r["ttft_p99_s"] <= hi and r["stall_max_s"] > 0
+    serving.plot_load_sweep(rows, capacities=caps).savefig(tmp_path / "load.png")
+    with pytest.raises(ValueError, match="rates"):
+        serving.load_sweep(llms, prompts, outs, [0.0])
+    with pytest.raises(ValueError, match="equal length"):
+        serving.load_sweep(llms, prompts, outs[:2], [1.0])

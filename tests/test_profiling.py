@@ -91,3 +91,21 @@ def test_request_metrics():
     assert m.tpot_s == pytest.approx(0.2) and m.tokens_per_s == pytest.approx(5.0)
     s = summarize([m, RequestMetrics(3, 1, 0.1, 0.1)], wall_s=2.0)
     assert s["tokens_per_s"] == 3.0 and s["ttft_mean_s"] == pytest.approx(0.15)
+
+
+def test_summary_percentiles_and_the_worst_stall_between_tokens():
+    ms = [RequestMetrics(4, 3, 0.01 * (i + 1), 0.5, max_gap_s=0.02 * (i + 1)) for i in range(100)]
+    s = summarize(ms)
+    assert s["ttft_p50_s"] == pytest.approx(0.50, abs=0.011)
+    assert s["ttft_p99_s"] == pytest.approx(0.99, abs=0.011) and s["stall_max_s"] == pytest.approx(2.0)
+    assert s["tpot_p99_s"] >= s["tpot_p50_s"]
+
+
+def test_a_sequences_worst_stall_is_its_longest_gap_between_tokens():
+    from llmlab.engine.sequence import Request, SamplingParams, Sequence
+
+    req = Request(0, None, [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0)
+    seq = Sequence(0, req, 0, [1, 2])
+    seq.output_token_ids, seq.token_times = [5, 6, 7, 8], [0.1, 0.2, 0.7, 0.75]
+    m = seq.metrics()
+    assert m.max_gap_s == pytest.approx(0.5) and m.ttft_s == pytest.approx(0.1)

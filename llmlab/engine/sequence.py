@@ -230,8 +230,10 @@ class Sequence:
         ttft = self.token_times[0] - arrival if self.token_times else float("nan")
         end = (self.finish_time if self.finish_time is not None
                else (self.token_times[-1] if self.token_times else float("nan")))
+        times = self.token_times
+        gap = max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
         return RequestMetrics(prompt_tokens=len(self.prompt_token_ids), output_tokens=n,
-                              ttft_s=ttft, e2e_s=end - arrival)
+                              ttft_s=ttft, e2e_s=end - arrival, max_gap_s=gap)
 
 
 @dataclass(eq=False)

@@ -51,6 +51,8 @@ class Comparison:
     candidate_median: float
     level: float = 0.95
     tolerance: float = 0.0
+    quantity: str = ""
+    unit: str = "runs"
 
     @property
     def verdict(self) -> str:
@@ -69,16 +71,22 @@ class Comparison:
         return f"{self.ratio:.2f}× [{self.lo:.2f}–{self.hi:.2f}]"
 
     def sentence(self) -> str:
-        """One clause for a notebook: which is faster, by how much, with the interval."""
-        ci = (f"{self.level:.0%} interval {self.lo:.2f}–{self.hi:.2f}, medians of "
-              f"{self.n_baseline} and {self.n_candidate} runs")
+        """One clause for a notebook: which is faster (or, with a ``quantity``, how the
+        candidate's value compares), by how much, with the interval; a tie says so."""
+        runs = f"medians of {self.n_baseline} and {self.n_candidate} {self.unit}"
+        direct = f"{self.level:.0%} interval {self.lo:.2f}–{self.hi:.2f}, {runs}"
+        inverse = f"{self.level:.0%} interval {1 / self.hi:.2f}–{1 / self.lo:.2f}, {runs}"
+        if self.quantity:
+            told = ("" if self.resolved else ": no difference at this noise")
+            return (f"the {self.quantity} of {self.candidate} is {1 / self.ratio:.2f}× that of "
+                    f"{self.baseline}{told} ({inverse})")
         if self.verdict == FASTER:
-            return f"{self.candidate} is {self.ratio:.2f}× as fast as {self.baseline} ({ci})"
+            return f"{self.candidate} is {self.ratio:.2f}× as fast as {self.baseline} ({direct})"
         if self.verdict == SLOWER:
             return (f"{self.candidate} is slower than {self.baseline}: {1 / self.ratio:.2f}× "
-                    f"its time ({ci})")
+                    f"its time ({inverse})")
         return (f"{self.candidate} and {self.baseline} do not differ at this noise (ratio "
-                f"{self.ratio:.2f}, {ci})")
+                f"{self.ratio:.2f}, {direct})")
 
     def __str__(self) -> str:
         return self.sentence()
@@ -102,12 +110,16 @@ def bootstrap_ratio(a: np.ndarray, b: np.ndarray, level: float = 0.95, resamples
 
 def compare(baseline, candidate, baseline_name: str = "the baseline",
             candidate_name: str = "the candidate", level: float = 0.95,
-            tolerance: float = 0.0, resamples: int = 2000, seed: int = 0) -> Comparison:
+            tolerance: float = 0.0, resamples: int = 2000, seed: int = 0,
+            quantity: str = "", unit: str = "runs") -> Comparison:
     """Compare two sets of timings (seconds, or any positive cost where lower is better).
 
     ``baseline`` and ``candidate`` are TimingResults or sequences of numbers, at least
     ``MIN_RUNS`` on each side (fewer cannot show the noise). ``tolerance`` widens the tie
-    band (e.g. 0.05: within 5% counts as a tie)."""
+    band (e.g. 0.05: within 5% counts as a tie). ``quantity`` names what was measured
+    when it is not a run's time ("worst stall", "TPOT"): the sentence then gives the
+    candidate's value as a multiple of the baseline's; ``unit`` names what the samples are
+    ("runs", "requests")."""
     a, b = _seconds(baseline), _seconds(candidate)
     if min(a.size, b.size) < MIN_RUNS:
         raise ValueError(f"compare needs at least {MIN_RUNS} runs a side to see the noise, "
@@ -118,7 +130,7 @@ def compare(baseline, candidate, baseline_name: str = "the baseline",
     lo, hi = bootstrap_ratio(a, b, level, resamples, seed)
     return Comparison(baseline_name, candidate_name, ratio, min(lo, ratio), max(hi, ratio),
                       int(a.size), int(b.size), float(np.median(a)), float(np.median(b)),
-                      level, tolerance)
+                      level, tolerance, quantity, unit)
 
 
 @dataclass(frozen=True)
@@ -186,8 +198,9 @@ class LessonNotShown(AssertionError):
     """A notebook's run did not show what its text says (raised only in strict mode)."""
 
 
-def expect(condition: bool, what: str) -> bool:
-    """State what this run was meant to show. Returns ``condition``.
+def expect(condition: bool, what: str) -> None:
+    """State what this run was meant to show (returns nothing, so a cell that ends with it
+    prints nothing more).
 
     In a student's run a failed expectation prints one line saying the effect was not
     resolved on this run (a noisy machine, a busy core), and the notebook goes on. Under
@@ -198,4 +211,3 @@ def expect(condition: bool, what: str) -> bool:
             raise LessonNotShown(f"this run did not show: {what}")
         print(f"Note: this run did not show {what}; the machine may be busy, so rerun the "
               "cell, and read the text above with that in mind.")
-    return ok

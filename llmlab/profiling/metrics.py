@@ -3,6 +3,8 @@
 TTFT (time to first token): arrival -> first generated token; dominated by prefill.
 TPOT (time per output token): the mean gap between later tokens; dominated by decode.
 End-to-end latency = TTFT + TPOT · (output_tokens - 1).
+Worst stall: the longest gap between two consecutive output tokens of one request (what a
+long prefill step that others wait behind does to a reader; chunked prefill bounds it).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class RequestMetrics:
     output_tokens: int
     ttft_s: float
     e2e_s: float
+    max_gap_s: float = float("nan")     # the longest gap between consecutive output tokens
 
     @property
     def tpot_s(self) -> float:
@@ -38,9 +41,11 @@ def _p(xs: list[float], q: float) -> float:
 
 
 def summarize(metrics: list[RequestMetrics], wall_s: float | None = None) -> dict[str, float]:
-    """Mean/p90 TTFT and TPOT, and throughput (output tokens over ``wall_s``)."""
+    """Mean and p50/p90/p99 TTFT and TPOT, the worst stall between two tokens of any request,
+    and throughput (output tokens over ``wall_s``)."""
     ttft = [m.ttft_s for m in metrics]
     tpot = [m.tpot_s for m in metrics if m.output_tokens > 1]
+    gaps = [m.max_gap_s for m in metrics if m.max_gap_s == m.max_gap_s]
     total = sum(m.output_tokens for m in metrics)
     wall = wall_s if wall_s is not None else max(m.e2e_s for m in metrics)
     return {
@@ -48,7 +53,12 @@ def summarize(metrics: list[RequestMetrics], wall_s: float | None = None) -> dic
         "output_tokens": total,
         "tokens_per_s": total / wall if wall > 0 else float("nan"),
         "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": _p(ttft, 0.5),
         "ttft_p90_s": _p(ttft, 0.9),
+        "ttft_p99_s": _p(ttft, 0.99),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else float("nan"),
+        "tpot_p50_s": _p(tpot, 0.5),
         "tpot_p90_s": _p(tpot, 0.9),
+        "tpot_p99_s": _p(tpot, 0.99),
+        "stall_max_s": max(gaps) if gaps else float("nan"),
     }

@@ -2,8 +2,8 @@
 
 * :func:`plot_occupancy` — who sits in which batch seat at every iteration, static vs
   continuous, from the engines' step logs;
-* :func:`arrival_sweep` / :func:`plot_throughput_latency` — throughput against latency
-  as requests arrive faster (arrival times from a trace, rescaled to a rate);
+* :func:`capacity`, :func:`load_sweep` / :func:`plot_load_sweep` — p50 and p99 TTFT and
+  TPOT as Poisson arrivals come faster, up to and past each policy's capacity;
 * :func:`explore_batching` — the widget callback: serve a fixed set of requests with a
   given ``max_num_seqs`` and KV block budget, and show seats, free blocks and preemptions.
 
@@ -87,73 +87,76 @@ def plot_step_times(stats_by_name: dict[str, EngineStats], title: str = ""):
 
 # -- throughput against latency ----------------------------------------------------------
 
-def arrival_sweep(llm_by_policy: dict[str, LLM], prompts: list[list[int]],
-                  max_tokens: list[int], base_arrivals: list[float],
-                  rates: list[float], repeats: int = 1) -> list[dict]:
-    """Serve the same requests at several arrival rates with each engine.
+def capacity(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> float:
+    """Requests per second an engine serves when every request is waiting at t = 0: the
+    load beyond which its queue can only grow. Greedy, EOS ignored. ``llm.stats`` then holds
+    that run's step log (its iterations and their times)."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm.generate(prompts, params, use_tqdm=False)
+    return len(prompts) / llm.stats.wall_s
 
-    ``base_arrivals``: arrival times (s) of a trace; they are rescaled so requests come
-    in at ``rate`` per second on average. Each (rate, engine) is served ``repeats`` times,
-    the engines interleaved. Returns rows {"policy", "rate", "tokens_per_s",
-    "ttft_mean_s", "e2e_mean_s", "e2e_p90_s"} holding the median over the repeats, plus
-    "tokens_per_s_range" and "e2e_mean_range" (min, max). Greedy, EOS ignored.
+
+def load_sweep(llm_by_policy: dict[str, LLM], prompts: list[list[int]],
+               max_tokens: list[int], rates: list[float], seed: int = 0) -> list[dict]:
+    """Serve the same requests, arriving as a Poisson process, at several rates with each
+    engine (the engines interleaved at each rate; one draw of arrivals per rate, the same
+    for every engine). Greedy, EOS ignored.
+
+    Returns one row per (policy, rate) with ``llmlab.profiling.summarize``'s keys (p50 /
+    p90 / p99 TTFT and TPOT, throughput, the worst stall), plus ``ttft_p99_ci`` and
+    ``tpot_p99_ci`` (bootstrap intervals for those percentiles over the requests), and
+    ``ttfts`` / ``tpots``, every request's values (for ``llmlab.profiling.compare``).
     """
-    if not rates or any(r <= 0 for r in rates):
+    from ..profiling.metrics import summarize
+    from ..serve.client import percentile_interval, poisson_arrivals
+
+    if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"rates={rates!r} must be positive requests per second")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be a positive int")
-    span = base_arrivals[-1] - base_arrivals[0] or 1.0
-    mean_rate = (len(base_arrivals) - 1) / span
+    if len(prompts) != len(max_tokens) or not prompts:
+        raise ValueError(f"prompts ({len(prompts)}) and max_tokens ({len(max_tokens)}) must "
+                         "be non-empty and of equal length")
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     rows = []
-    for rate in rates:
-        arrivals = [(a - base_arrivals[0]) * mean_rate / rate for a in base_arrivals]
-        samples: dict[str, list[dict]] = {p: [] for p in llm_by_policy}
-        for _ in range(repeats):
-            for policy, llm in llm_by_policy.items():
-                outs = llm.generate(prompts, params, use_tqdm=False, arrival_times=arrivals)
-                wall = llm.stats.wall_s
-                m = [o.metrics for o in outs]
-                e2e = sorted(x.e2e_s for x in m)
-                samples[policy].append({
-                    "tokens_per_s": sum(x.output_tokens for x in m) / wall,
-                    "ttft_mean_s": statistics.fmean(x.ttft_s for x in m),
-                    "e2e_mean_s": statistics.fmean(e2e),
-                    "e2e_p90_s": e2e[int(0.9 * (len(e2e) - 1))]})
-        for policy, runs in samples.items():
-            row = {"policy": policy, "rate": rate}
-            for key in ("tokens_per_s", "ttft_mean_s", "e2e_mean_s", "e2e_p90_s"):
-                row[key] = statistics.median(r[key] for r in runs)
-            for key, name in (("tokens_per_s", "tokens_per_s_range"),
-                              ("e2e_mean_s", "e2e_mean_range")):
-                row[name] = (min(r[key] for r in runs), max(r[key] for r in runs))
+    for i, rate in enumerate(rates):
+        arrivals = poisson_arrivals(rate, len(prompts), seed=seed + i)
+        for policy, llm in llm_by_policy.items():
+            outs = llm.generate(prompts, params, use_tqdm=False, arrival_times=arrivals)
+            m = [o.metrics for o in outs]
+            row = {"policy": policy, "rate": rate, **summarize(m, llm.stats.wall_s)}
+            row["ttfts"] = [x.ttft_s for x in m]
+            row["tpots"] = [x.tpot_s for x in m if x.output_tokens > 1]
+            row["ttft_p99_ci"] = percentile_interval(row["ttfts"], 99)
+            row["tpot_p99_ci"] = percentile_interval(row["tpots"], 99)
             rows.append(row)
     return rows
 
 
-def plot_throughput_latency(rows: list[dict], title: str = ""):
-    """Mean end-to-end latency against throughput, one line per policy, points = rates
-    (with min–max whiskers when the rows carry ranges, as :func:`arrival_sweep`'s do)."""
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=80)
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        rs = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
-        x = [r["tokens_per_s"] for r in rs]
-        y = [r["e2e_mean_s"] for r in rs]
-        line, = ax.plot(x, y, "o-", label=policy)
-        if all("e2e_mean_range" in r for r in rs):
-            ax.errorbar(x, y, fmt="none", ecolor=line.get_color(), capsize=2, lw=0.8,
-                        yerr=[[v - r["e2e_mean_range"][0] for v, r in zip(y, rs)],
-                              [r["e2e_mean_range"][1] - v for v, r in zip(y, rs)]],
-                        xerr=[[v - r["tokens_per_s_range"][0] for v, r in zip(x, rs)],
-                              [r["tokens_per_s_range"][1] - v for v, r in zip(x, rs)]])
-        for r in rs:
-            ax.annotate(f"{r['rate']:g}/s", (r["tokens_per_s"], r["e2e_mean_s"]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set(xlabel="throughput (generated tokens/s)", ylabel="mean end-to-end latency (s)",
-           title=title or "throughput vs latency as the arrival rate grows")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+def plot_load_sweep(rows: list[dict], title: str = "", capacities: dict | None = None):
+    """TTFT (left) and TPOT (right) against the arrival rate, p50 solid and p99 dashed with
+    its bootstrap interval, one colour per policy; a dotted vertical line at each policy's
+    measured capacity when ``capacities`` ({policy: requests/s}) is given."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.3), dpi=80)
+    colors = dict(zip(dict.fromkeys(r["policy"] for r in rows), plt.get_cmap("tab10").colors))
+    for ax, key, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (ms)")):
+        scale = 1.0 if key == "ttft" else 1e3
+        for policy, color in colors.items():
+            rs = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
+            x = [r["rate"] for r in rs]
+            ax.plot(x, [r[f"{key}_p50_s"] * scale for r in rs], "o-", color=color, ms=4,
+                    label=f"{policy} p50")
+            p99 = [r[f"{key}_p99_s"] * scale for r in rs]
+            lo = [r[f"{key}_p99_ci"][0] * scale for r in rs]
+            hi = [r[f"{key}_p99_ci"][1] * scale for r in rs]
+            ax.errorbar(x, p99, yerr=[[max(p - a, 0) for p, a in zip(p99, lo)],
+                                      [max(b - p, 0) for p, b in zip(p99, hi)]],
+                        fmt="s--", color=color, ms=3, capsize=2, lw=1, label=f"{policy} p99")
+            if capacities and policy in capacities:
+                ax.axvline(capacities[policy], color=color, ls=":", lw=1)
+        ax.set(xlabel="arrival rate (requests/s)", ylabel=label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title or "latency as the load grows", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -245,5 +248,5 @@ def explore_batching(max_num_seqs: int = 8, num_blocks: int = 40, block_size: in
 
 
 __all__ = ["dry_run", "DryRun", "SchedulerStall", "occupancy_grid", "plot_occupancy",
-           "plot_step_times", "arrival_sweep", "plot_throughput_latency", "plot_rounds",
+           "plot_step_times", "capacity", "load_sweep", "plot_load_sweep", "plot_rounds",
            "demo_requests", "serve_demo", "explore_batching"]

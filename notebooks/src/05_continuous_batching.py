@@ -22,12 +22,15 @@ import os
 
 import torch
 
+from IPython.display import Markdown, display
+
 import llmlab
 from llmlab import exercises
 from llmlab.device import device_name
 from llmlab.models.registry import model_dir, repo_root
 from llmlab.traces import load_trace
 from llmlab.engine.simulate import dry_run
+from llmlab.profiling import expect
 from llmlab.viz.serving import plot_occupancy
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
@@ -154,9 +157,27 @@ exercises.check("nb05.schedule", schedule)
 # ## Packing: no padding
 #
 # Prompts that join are **packed**: the runner concatenates every sequence's new tokens into one
-# row and marks where each starts with `cu_seqlens`, FlashAttention's variable-length convention.
-# Here are two steps of the engine on the tiny random model: three prompts arrive, then everyone
-# decodes.
+# row, and FlashAttention's variable-length convention marks where each sequence starts with one
+# list of offsets, `cu_seqlens`. A padded rectangle would instead make every prompt as long as
+# the longest one.
+#
+# ### Exercise 3 (build): cu_seqlens
+#
+# Write `cu_seqlens(lengths)`, the offsets of packed sequences: sequence i owns rows
+# `cu[i] .. cu[i+1] − 1` of the packed row, and the list has one entry more than there are
+# sequences.
+
+# %%
+def cu_seqlens(lengths):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+exercises.check("nb05.cu_seqlens", cu_seqlens)
+
+# %% [markdown]
+# Compare with the engine's own: two steps of it on the tiny random model, three prompts
+# arriving, then everyone decoding.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -173,36 +194,12 @@ for _ in range(2):
     print("cu_seqlens", s.cu_seqlens.tolist(), "| fresh prompts", s.fresh, "| decodes", s.decode)
 
 # %% [markdown]
-# Fourteen prompt tokens cost fourteen token positions, not 3 × 7 = 21; the next step is three
-# single-token decodes in one row. Attention inside each layer keeps the sequences apart: fresh
-# prompts attend causally among their own tokens (one call over the packed rows, bounded by
-# `cu_seqlens`), decodes read their K/V from the paged pool through their block tables.
+# Fourteen prompt tokens cost fourteen token positions, where a padded rectangle would hold
+# 3 × 7 = 21; the next step is three single-token decodes in one row. Attention inside each layer
+# keeps the sequences apart: fresh prompts attend causally among their own tokens (one call over
+# the packed rows, bounded by `cu_seqlens`), decodes read their K/V from the paged pool through
+# their block tables.
 #
-# ### Exercise 3 (compute): padding
-#
-# Five prompts of lengths `[12, 40, 7, 33, 25]` are left-padded into one rectangle. How many pad
-# tokens does the rectangle hold?
-
-# %%
-answer = ...  # YOUR ANSWER: an integer
-exercises.check("nb05.padding", answer)
-
-# %% [markdown]
-# ### Exercise 4 (build): cu_seqlens
-#
-# Write `cu_seqlens(lengths)`, the offsets of packed sequences: sequence i owns rows
-# `cu[i] .. cu[i+1] − 1` of the packed row, and the list has one entry more than there are
-# sequences.
-
-# %%
-def cu_seqlens(lengths):
-    # YOUR CODE HERE
-    raise NotImplementedError
-
-
-exercises.check("nb05.cu_seqlens", cu_seqlens)
-
-# %% [markdown]
 # ## Check: batching changes no token
 #
 # Three prompts on SmolLM2-135M, greedy, through both schedulers with 2 seats, against generating
@@ -266,25 +263,16 @@ rounds = {name: [] for name in systems}
 for _ in range(ROUNDS):
     for name, run in systems.items():
         rounds[name].append(run(part))
-summaries = {k: [summarize(r["metrics"], r["wall_s"]) for r in v] for k, v in rounds.items()}
-tps = {k: [s["tokens_per_s"] for s in v] for k, v in summaries.items()}
-med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
 HF, STATIC, CONT = systems
-fig = plot_rounds(tps, "generated tokens/s",
-                  title=f"SmolLM2-135M, {N} requests, {SEATS} seats ({device_name()})")
-for k in systems:
-    print(f"{k:32s} {med[k]:6.1f} tok/s (min {min(tps[k]):.1f}, max {max(tps[k]):.1f})")
-print(f"medians: continuous / HF {med[CONT] / med[HF]:.2f}×, continuous / static "
-      f"{med[CONT] / med[STATIC]:.2f}×, static / HF {med[STATIC] / med[HF]:.2f}× ({device_name()})")
 ms, rows, prompt = step_arrays(r["stats"] for r in rounds[CONT])
 decode_share = ms[prompt == 0].sum() / ms.sum()
 print(f"the work: {sum(len(r.prompt_token_ids) for r in part)} prompt tokens, "
       f"{sum(r.output_tokens for r in part)} generated; in the continuous runs, steps that only "
       f"decode take {decode_share:.0%} of the step time")
-assert decode_share > 0.5, "this run was meant to be decode-dominated"
+expect(decode_share > 0.5, "a decode-dominated run (decode-only steps over half the time)")
 
 # %% [markdown]
-# ### Counted in iterations and token positions
+# First the count, which no noise can change: iterations (forward passes) and token positions.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -302,8 +290,33 @@ print(f"HF padded static  : {hf_iterations} iterations, {last[HF]['positions']} 
 # Both static systems run the same number of iterations: every batch lasts as long as its longest
 # answer. llmlab's static batch stops computing a row whose request is done (its seat stays empty),
 # HF's keeps decoding it. Continuous batching computes no more positions than llmlab static minus
-# its pads, but in far fewer iterations: the freed seats are filled instead of left empty.
+# its pads, but in fewer iterations: the freed seats are filled instead of left empty.
 #
+# Then the time. Each system did the same work in every round, so its wall times compare
+# directly; `llmlab.profiling.compare` gives the ratio of the medians with a bootstrap interval
+# over the rounds, and says "no difference at this noise" when the interval straddles 1.
+
+# %%
+from llmlab.profiling import compare
+
+walls = {k: [r["wall_s"] for r in v] for k, v in rounds.items()}
+tps = {k: [summarize(r["metrics"], r["wall_s"])["tokens_per_s"] for r in v]
+       for k, v in rounds.items()}
+fig = plot_rounds(tps, "generated tokens/s",
+                  title=f"SmolLM2-135M, {N} requests, {SEATS} seats ({device_name()})")
+vs_static = compare(walls[STATIC], walls[CONT], "llmlab static", "llmlab continuous")
+vs_hf = compare(walls[HF], walls[CONT], "HF padded static", "llmlab continuous")
+static_hf = compare(walls[HF], walls[STATIC], "HF padded static", "llmlab static")
+for c in (vs_static, vs_hf, static_hf):
+    print(c.sentence())
+iter_ratio = len(last[STATIC]["stats"].steps) / len(last[CONT]["stats"].steps)
+display(Markdown(
+    f"Static needs {iter_ratio:.2f}× the iterations of continuous here; in time, "
+    f"{vs_static.sentence()}. The time gain is smaller than the iteration count's because "
+    "a step is not free of its rows: the next cell measures by how much."))
+expect(vs_static.verdict == "faster", "continuous batching faster than llmlab's static batches")
+
+# %% [markdown]
 # ### Where the speedup comes from: a step's fixed cost
 #
 # Which count sets the time, iterations or positions? The engine logs every step's duration, how
@@ -312,26 +325,24 @@ print(f"HF padded static  : {hf_iterations} iterations, {last[HF]['positions']} 
 # that grow with its work (`llmlab.profiling.steps.fit_step_cost`):
 
 # %%
-from IPython.display import Markdown, display
-
 cost = fit_step_cost(r["stats"] for name in (STATIC, CONT) for r in rounds[name])
+medwall = {k: sorted(v)[ROUNDS // 2] for k, v in walls.items()}
 print(f"step time ≈ {cost.fixed_ms:.1f} ms + {cost.per_row_ms:.2f} ms per decoding row + "
       f"{cost.per_prompt_token_ms:.2f} ms per prompt token (fit over {cost.num_steps} steps, "
       f"rms residual {cost.rms_ms:.1f} ms)")
 print(f"a decode step of {SEATS} rows: {cost.predict_ms(SEATS):.1f} ms = "
       f"{cost.predict_ms(SEATS) / cost.predict_ms(1):.2f}× a step of 1 row; the fixed part is "
       f"{cost.fixed_share(SEATS):.0%} of it")
-walls = {k: sorted(r["wall_s"] for r in rounds[k])[ROUNDS // 2] for k in systems}
 steps = {k: len(last[k]["stats"].steps) for k in (STATIC, CONT)}
 fixed_s = (steps[STATIC] - steps[CONT]) * cost.fixed_ms / 1e3
 print(f"static runs {steps[STATIC] - steps[CONT]} more steps than continuous; at "
       f"{cost.fixed_ms:.1f} ms of fixed cost each that is {fixed_s:.2f} s, of a measured "
-      f"difference of {walls[STATIC] - walls[CONT]:.2f} s (median walls)")
+      f"difference of {medwall[STATIC] - medwall[CONT]:.2f} s (median walls)")
 hf_extra = last[HF]["positions"] - last[CONT]["positions"]
 print(f"HF computes {hf_extra} positions more than continuous: at llmlab's {cost.per_row_ms:.2f} "
       f"ms per row that would be {hf_extra * cost.per_row_ms / 1e3:.2f} s; its time per "
-      f"iteration is {walls[HF] / hf_iterations * 1e3:.1f} ms against llmlab static's "
-      f"{walls[STATIC] / steps[STATIC] * 1e3:.1f} ms")
+      f"iteration is {medwall[HF] / hf_iterations * 1e3:.1f} ms against llmlab static's "
+      f"{medwall[STATIC] / steps[STATIC] * 1e3:.1f} ms")
 row_vs_step = cost.per_row_ms / cost.predict_ms(1)
 display(Markdown(
     f"On this machine a decoding row adds {cost.per_row_ms:.2f} ms to a step whose fixed part is "
@@ -345,22 +356,109 @@ display(Markdown(
        if row_vs_step < 0.5 else
        "Here a row is not cheap next to a step, so positions matter as much as iterations: "
        "this machine's decode steps are not dominated by reading the weights.")))
-assert row_vs_step < 0.5, "a decoding row cost half a step or more: the takeaways do not hold"
+expect(row_vs_step < 0.5, "a decoding row costing less than half a one-row step")
 
 # %% [markdown]
 # The seats set the size of the gain: the more requests share a static batch, the longer the
 # longest of them and the more seats sit idle. The README's results table has
 # `python -m llmlab.bench serve` on the whole trace with 32 and 64 seats.
 #
+# ### Latency as the load grows
+#
+# So far every request was waiting at t = 0. A server's requests arrive over time, and what its
+# users feel is the latency at a given load. Here the trace's 80 requests keep their full answer
+# lengths (9–113 tokens) and arrive as a **Poisson process** (independent exponential gaps, the
+# open-loop load of serving benchmarks), 8 seats. For this sweep we use the **tiny random model
+# (tiny-llama)**, whose steps take a millisecond or two, so that 80 requests at each of four
+# rates fit in seconds; its numbers show the shape, not SmolLM2's speed. A tiny-llama step is
+# mostly the engine's fixed cost per step, as a SmolLM2 decode step is mostly its weight read,
+# so iterations set the time in both.
+#
+# First each policy's **capacity**: requests per second with every request waiting at t = 0.
+# Beyond it the queue can only grow. Then the rates: 40%, 70%, 100% and 130% of the continuous
+# engine's capacity. Left, the time to the first token; right, the time per output token; p50
+# solid, p99 dashed with its bootstrap interval over the requests (with 80 requests a p99 rests
+# on the worst one or two, and the interval says so). Dotted lines: the measured capacities.
+
+# %%
+from llmlab.viz.serving import capacity, load_sweep, plot_load_sweep
+
+LOAD_SEATS = 8
+sweep_n = 40 if QUICK else len(trace)
+sweep_prompts = [r.prompt_token_ids for r in trace[:sweep_n]]
+sweep_outs = outs[:sweep_n]
+llms = {p: LLM(tiny, tok, scheduler=p, max_num_seqs=LOAD_SEATS, num_blocks=1024)
+        for p in ("static", "continuous")}
+for e in llms.values():                                   # warm-up
+    capacity(e, sweep_prompts[:LOAD_SEATS], sweep_outs[:LOAD_SEATS])
+caps, cap_steps, cap_ms = {}, {}, {}
+for p, e in llms.items():
+    caps[p] = capacity(e, sweep_prompts, sweep_outs)
+    cap_steps[p] = len(e.stats.steps)
+    cap_ms[p] = e.stats.wall_s / cap_steps[p] * 1e3
+fractions = [0.4, 0.7, 1.0, 1.3]
+rates = [f * caps["continuous"] for f in fractions]
+load_rows = load_sweep(llms, sweep_prompts, sweep_outs, rates)
+fig = plot_load_sweep(load_rows, capacities=caps,
+                      title=f"tiny-llama, {sweep_n} requests, {LOAD_SEATS} seats, Poisson "
+                            f"arrivals ({device_name()})")
+print(f"capacity: static {caps['static']:.0f} req/s, continuous {caps['continuous']:.0f} req/s "
+      f"({caps['continuous'] / caps['static']:.2f}×); with all waiting, static ran "
+      f"{cap_steps['static']} iterations of {cap_ms['static']:.2f} ms, continuous "
+      f"{cap_steps['continuous']} of {cap_ms['continuous']:.2f} ms")
+for r in load_rows:
+    print(f"{r['policy']:10s} {r['rate']:5.1f} req/s: TTFT p50 {r['ttft_p50_s'] * 1e3:6.0f} ms, "
+          f"p99 {r['ttft_p99_s'] * 1e3:6.0f} ms | TPOT p50 {r['tpot_p50_s'] * 1e3:4.1f} ms, "
+          f"p99 {r['tpot_p99_s'] * 1e3:4.1f} ms | {r['tokens_per_s']:5.0f} tok/s")
+
+# %%
+by = {(r["policy"], r["rate"]): r for r in load_rows}
+over = sum(rate > caps["static"] for rate in rates)
+ttft_ratio = [by["static", rate]["ttft_p99_s"] / by["continuous", rate]["ttft_p99_s"]
+              for rate in rates]
+tpot = [compare(by["static", rate]["tpots"], by["continuous", rate]["tpots"], "static",
+                "continuous", quantity="TPOT", unit="requests") for rate in rates]
+iter_ratio = cap_steps["static"] / cap_steps["continuous"]
+step_ratio = cap_ms["continuous"] / cap_ms["static"]
+display(Markdown(
+    f"Continuous batching serves {caps['continuous'] / caps['static']:.2f}× the requests per "
+    f"second of static batching before its queue grows. The count explains it: with every "
+    f"request waiting, static ran {iter_ratio:.2f}× the iterations, and each continuous "
+    f"iteration took {step_ratio:.2f}× as long as a static one (its steps are fuller), so "
+    f"{iter_ratio:.2f} / {step_ratio:.2f} = {iter_ratio / step_ratio:.2f}×. "
+    f"Static's p99 TTFT is {', '.join(f'{x:.1f}×' for x in ttft_ratio)} continuous's at the "
+    f"four rates ({over} of them above static's capacity, where its queue only grows): a "
+    "newcomer waits for a whole batch to end. TPOT is the other side of the trade, per "
+    "request at each rate: continuous's is "
+    + ", ".join(f"{1 / c.ratio:.2f}× static's" + ("" if c.resolved else " (a tie)")
+                for c in tpot)
+    + f". A fuller step is a slower step only as far as its rows cost something: here "
+    f"{step_ratio:.2f}× a static one, which the TPOT carries."))
+expect(all(x > 1 for x in ttft_ratio[-2:]),
+       "static's p99 TTFT above continuous's at the two highest rates")
+
+# %% [markdown]
 # ### Chunked prefill: no step is long
 #
-# A step that prefills a newcomer's prompt is long, and every sequence that is decoding waits for
-# it: that wait is part of their TPOT. With `enable_chunked_prefill=True` the token budget
-# `max_num_batched_tokens` becomes a hard cap per step: decodes go first, and a prompt is fed in
-# chunks of whatever budget is left, over several steps (Agrawal et al.: Sarathi, 2023, and
-# Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it by default). It matters when long prompts
-# arrive while others decode, so here the requests are the trace's first with prompts of at least
-# 100 tokens, 2 seats, a budget of 64 tokens per step, three rounds:
+# A step that prefills a newcomer's whole prompt is long, and every sequence that is decoding
+# waits for it: for their readers the text stops for that step, an **inter-token stall**. With
+# `enable_chunked_prefill=True` the token budget `max_num_batched_tokens` becomes a hard cap per
+# step: decodes go first, and a prompt is fed in chunks of whatever budget is left, over several
+# steps (Agrawal et al.: Sarathi, 2023, and Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it
+# by default). It matters when long prompts arrive while others decode, so here the requests are
+# the trace's first with prompts of at least 100 tokens, 2 seats, a budget of 64 tokens per step,
+# three rounds on SmolLM2-135M. What it is judged on is the **worst stall**: the longest gap
+# between two consecutive tokens of any request.
+#
+# ### Exercise 4 (predict, then measure): the worst stall
+#
+# Use the step cost fitted above (fixed part and cost per prompt token) and the prompt lengths
+# printed below. Without chunks the worst stall is about one step that feeds a whole prompt;
+# with chunks a step feeds at most 64 tokens. How many times shorter does chunking make the worst
+# stall? Commit a number; within 35% of the measurement counts.
+
+# %%
+my_stall_prediction = ...  # YOUR ANSWER: a ratio, e.g. 1.5
 
 # %%
 from llmlab.viz.serving import plot_step_times
@@ -382,85 +480,46 @@ for _ in range(ROUNDS):              # interleaved, like the rounds above
 WHOLE, CHUNKED = chunkers
 print(f"{len(long_part)} requests: prompts {[len(r.prompt_token_ids) for r in long_part]} tokens, "
       f"outputs {[r.output_tokens for r in long_part]}")
-per_token = {}
+per_token, stalls = {}, {}
 for name, runs in chunk_rounds.items():
     sums = [summarize(r["metrics"], r["wall_s"]) for r in runs]
     pick = lambda key: sorted(s[key] for s in sums)[ROUNDS // 2]
+    stalls[name] = [s["stall_max_s"] for s in sums]
     biggest = max(st.prefill_tokens + st.decode_tokens for st in runs[-1]["stats"].steps)
     per_token[name] = prompt_token_cost(r["stats"] for r in runs)
-    print(f"{name:34s} {pick('tokens_per_s'):5.1f} tok/s   TPOT p90 {pick('tpot_p90_s') * 1e3:4.0f} ms"
-          f"   TTFT mean {pick('ttft_mean_s'):5.2f} s   largest step {biggest:3d} tokens   "
-          f"a prompt token adds {per_token[name]:.2f} ms to its step   (medians of {ROUNDS} rounds)")
+    print(f"{name:34s} worst stall {pick('stall_max_s') * 1e3:4.0f} ms   largest step {biggest:3d} "
+          f"tokens   {pick('tokens_per_s'):5.1f} tok/s   TPOT p90 {pick('tpot_p90_s') * 1e3:4.0f} ms"
+          f"   TTFT mean {pick('ttft_mean_s'):5.2f} s   (medians of {ROUNDS} rounds)")
 print("same tokens as without chunks:", chunk_rounds[CHUNKED][-1]["tokens"] == chunk_rounds[WHOLE][-1]["tokens"])
 fig = plot_step_times({"continuous": chunk_rounds[WHOLE][-1]["stats"],
                        f"chunked, {BUDGET} tokens/step": chunk_rounds[CHUNKED][-1]["stats"]},
                       title=f"SmolLM2-135M, {len(long_part)} long prompts, 2 seats, last round "
                             f"({device_name()})")
-chunk_step = cost.predict_ms(1) + (BUDGET - 1) * per_token[CHUNKED]
+stall = compare(stalls[WHOLE], stalls[CHUNKED], "whole prompts", "chunked prefill",
+               quantity="worst stall")
+tput = compare([r["wall_s"] for r in chunk_rounds[WHOLE]], [r["wall_s"] for r in chunk_rounds[CHUNKED]],
+               "whole prompts", "chunked prefill")
+print("worst stall:", stall.sentence())
+print("whole run:  ", tput.sentence())
+print(exercises.check("nb05.predict_stall", my_stall_prediction, measured=stall.ratio))
+
+# %%
 display(Markdown(
-    f"With chunks no step feeds more than {BUDGET} tokens, so no decoding request waits for a "
-    f"whole long prompt. But a prompt token adds {per_token[CHUNKED]:.2f} ms to a chunk step and "
-    f"{per_token[WHOLE]:.2f} ms to a whole-prompt step (each step's time less that of a pure "
-    "decode step of as many rows in the same runs, median over the steps that fed prompt "
-    "tokens): chunking "
-    f"{'makes it no cheaper' if per_token[CHUNKED] >= 0.8 * per_token[WHOLE] else 'made it cheaper here'}. "
-    f"A step of one decode and a {BUDGET - 1}-token chunk costs about {chunk_step:.0f} ms, "
-    f"{chunk_step / cost.predict_ms(1):.1f}× a pure one-row decode step, and more steps now "
-    "carry a share of the prompt."))
-assert per_token[CHUNKED] >= 0.8 * per_token[WHOLE], "a chunked prompt token came out cheaper"
-
-# %% [markdown]
-# ### Exercise 5 (explain): chunks on a CPU
-#
-# Compare the two rows above: the largest step, the TPOT, the throughput, and what a prompt token
-# costs in each.
-
-# %%
-exercises.ask("nb05.explain_chunking")
-
-# %%
-my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
-exercises.check("nb05.explain_chunking", my_choice)
+    f"What chunking is for: {stall.sentence()}. "
+    f"The whole run: {tput.sentence()}. A prompt token adds {per_token[CHUNKED]:.2f} ms to a "
+    f"chunk step and {per_token[WHOLE]:.2f} ms to a whole-prompt step (each step's time less "
+    "that of a pure decode step of as many rows, median over the steps that fed prompt "
+    "tokens): chunking moves prompt tokens into more steps, it does not make them "
+    f"{'cheaper' if per_token[CHUNKED] >= 0.8 * per_token[WHOLE] else 'dearer'} on this CPU."))
+expect(stall.verdict == "faster", "a shorter worst stall with chunked prefill")
 
 # %% [markdown]
 # Chunked prefill was made for a GPU. There a decode step of a few dozen rows is far below the ridge
 # point (hundreds of FLOPs per byte, notebook 02): its time is the weight read, and a few hundred
 # prompt tokens added to it ride along almost for free (Agrawal et al. measure this as the
-# "piggybacking" of decodes on prefill chunks). On a CPU whose ridge point is a dozen FLOPs per
-# byte, the fitted cost per prompt token above is what every chunk pays, so a CPU engine may leave
-# chunking off.
-#
-# ### Throughput against latency as the load grows
-#
-# Now requests arrive over time: the trace's arrival times, rescaled to an average rate. For this
-# sweep we use the **tiny random model (tiny-llama)** so that the runs fit in seconds; its numbers
-# show the shape, not SmolLM2's speed. Each point is the median of 5 runs (whiskers: min–max).
-
-# %%
-from llmlab.viz.serving import arrival_sweep, plot_throughput_latency
-
-sweep_n = 8 if QUICK else 12
-sweep = trace[:sweep_n]
-rates = [40, 2560] if QUICK else [40, 320, 2560]
-llms = {p: LLM(tiny, tok, scheduler=p, max_num_seqs=4, num_blocks=256) for p in ("static", "continuous")}
-rows = arrival_sweep(llms, [r.prompt_token_ids for r in sweep],
-                     [min(r.output_tokens, 24) for r in sweep],
-                     [r.arrival_s for r in sweep], rates, repeats=5)
-fig = plot_throughput_latency(rows, title=f"tiny-llama, {sweep_n} requests, 4 seats ({device_name()})")
-for r in rows:
-    print(f"{r['policy']:10s} {r['rate']:5g} req/s: {r['tokens_per_s']:7.0f} tok/s, "
-          f"mean e2e {r['e2e_mean_s']:.2f} s")
-lat = {p: [r["e2e_mean_s"] for r in rows if r["policy"] == p] for p in llms}
-ratios = [s / c for s, c in zip(lat["static"], lat["continuous"])]
-print(f"mean latency, static / continuous, per rate: {', '.join(f'{x:.2f}×' for x in ratios)}; "
-      f"static is slower at {sum(x > 1 for x in ratios)} of {len(ratios)} rates")
-
-# %% [markdown]
-# A request that arrives while a static batch runs waits for the whole batch, and a seat whose
-# request is done stays empty until the batch's longest one finishes, so the queue behind moves
-# more slowly; continuous batching avoids both, which the printed ratios measure at each rate. At the highest rate every request is already
-# waiting when the first batch starts: the closed-batch case of the occupancy picture above.
-# The tiny model's steps take milliseconds, so on a busy machine the whiskers are wide.
+# "piggybacking" of decodes on prefill chunks), so the stall shrinks and the throughput stays.
+# On a CPU whose ridge point is a dozen FLOPs per byte, every prompt token costs its full compute
+# in whichever step it lands: chunking still bounds the stall, but it buys nothing else.
 #
 # ## Play: seats and the block budget
 #
@@ -482,7 +541,7 @@ widgets.interactive(explore_batching, max_num_seqs=widgets.IntSlider(8, 1, 16),
 fig = explore_batching(max_num_seqs=8, num_blocks=24)
 
 # %% [markdown]
-# ### Exercise 6 (compute): static iterations
+# ### Exercise 5 (compute): static iterations
 #
 # Output lengths `[5, 60, 8, 12, 90, 7, 3, 40]` arrive in this order and a static scheduler takes
 # them 4 at a time. How many decode iterations does it run?
@@ -522,10 +581,11 @@ exercises.check("nb05.prefix_aware", prefix_aware)
 #
 # * A static batch runs as long as its longest request; iteration-level scheduling (Orca) gives a
 #   finished seat to the next request at the very next forward pass.
-# * A decode step costs mostly its weight read, so the gain is counted in iterations: every
-#   waiting request seated in a step that runs anyway. Packing (`cu_seqlens`) keeps pads out of
-#   the prompts.
-# * With a paged cache, running out of blocks is not an error: preempt, free, recompute later.
+# * A decode step costs mostly its fixed part (the weight read, or here the engine's own cost), so
+#   the gain is counted in iterations, and under load it shows as capacity: past static's, its
+#   queue and its p99 TTFT grow while continuous still keeps up; the price is fuller steps.
+# * Chunked prefill bounds the worst stall between two tokens; on a CPU it buys nothing else.
+#   With a paged cache, running out of blocks is not an error: preempt, free, recompute later.
 #
 # ## Further reading
 #
