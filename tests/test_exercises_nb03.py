@@ -67,21 +67,21 @@ def test_predict_uses_the_measurement_it_is_given():
 
 @pytest.mark.skipif(not has_triton(), reason="Triton is not installed")
 def test_triton_skeleton_with_the_solution_matches_reference_at_ragged_sizes():
-    from llmlab.exercises.flash_triton_skeleton import flash_forward_with, solution_inner_loop
+    from llmlab.exercises.flash_triton_skeleton import flash_forward_with, _solution_inner_loop
 
     # compiled where there is CUDA, whose float32 dots may run in TF32 (as the checker allows)
     atol = 1e-4 if KERNEL_DEVICE.type == "cpu" else 5e-3
     for n_q, n_k, causal in [(20, 20, True), (3, 35, True), (33, 17, False)]:
         q, k, v = nb03._qkv(n_q, n_k, batch=1, heads=2, kv_heads=1, d=16, device=KERNEL_DEVICE)
-        got = flash_forward_with(solution_inner_loop, q, k, v, causal=causal).cpu()
+        got = flash_forward_with(_solution_inner_loop, q, k, v, causal=causal).cpu()
         want = nb03.reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
         assert (got.double() - want).abs().max() < atol
     q, k, v = nb03._qkv(8, 8, batch=1, heads=2, kv_heads=1, d=8)
     with pytest.raises(ValueError, match="head_dim=8 must be a power of two >= 16"):
-        flash_forward_with(solution_inner_loop, q, k, v)
+        flash_forward_with(_solution_inner_loop, q, k, v)
     q, k, v = nb03._qkv(8, 8, batch=1, heads=2, kv_heads=1, d=16)
     with pytest.raises(ValueError, match="block_n=24 must be a power of two >= 16"):
-        flash_forward_with(solution_inner_loop, q, k, v, block_n=24)
+        flash_forward_with(_solution_inner_loop, q, k, v, block_n=24)
 
 
 @pytest.mark.slow

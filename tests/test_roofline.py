@@ -5,6 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from llmlab.config import ModelConfig  # noqa: E402
 from llmlab.models import resolve  # noqa: E402
@@ -117,3 +118,19 @@ def test_compute_bound_batch_checker_agrees_with_the_model(cfg):
     assert decode_cost(cfg, right, 512).intensity >= 10.0 > decode_cost(cfg, right - 1, 512).intensity
     assert nb02._check_compute_bound_batch(right, cfg).passed
     assert not nb02._check_compute_bound_batch(right - 1, cfg).passed
+
+
+def test_matmul_row_times_and_the_batch_sweep_figure(tmp_path):
+    from llmlab.profiling import fit_linear
+    from llmlab.viz.roofline import matmul_row_times, plot_batch_sweep
+
+    w = torch.randn(64, 32)
+    got = matmul_row_times(w, [1, 2, 4], repeats=3)
+    assert sorted(got) == [1, 2, 4] and all(len(v) == 3 and min(v) > 0 for v in got.values())
+    with pytest.raises(ValueError, match="rows"):
+        matmul_row_times(w, [0])
+    steps = {1: [0.030, 0.031, 0.032], 2: [0.033, 0.034, 0.035], 4: [0.050, 0.052, 0.051]}
+    fit = fit_linear([2, 4], [0.034, 0.051])
+    fig = plot_batch_sweep(steps, got, fit, title="t")
+    assert len(fig.axes) == 2 and "fit over batch" in fig.axes[0].get_legend().get_texts()[-1].get_text()
+    fig.savefig(tmp_path / "sweep.png")

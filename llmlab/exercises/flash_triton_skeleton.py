@@ -105,7 +105,7 @@ def flash_forward_with(inner_loop: Callable, q: torch.Tensor, k: torch.Tensor, v
 # ---- the reference inner loop and realistic mistakes ------------------------------------------
 
 @triton.jit
-def solution_inner_loop(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, n_k, hi,
+def _solution_inner_loop(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, n_k, hi,
                         causal_offset, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

@@ -620,9 +620,9 @@ def _check_skipped_tiles(answer, n: int = 1024, block: int = 128) -> object:
 
 if has_triton():
     from .flash_triton_skeleton import (check_inner_loop as _check_inner_loop,
-                                        solution_inner_loop, wrong_inner_loops)
+                                        _solution_inner_loop, wrong_inner_loops)
 
     exercise("nb03.flash_triton_inner_loop", notebook=NB_GPU, kind="build", stretch=True,
              title="the online-softmax inner loop of a Triton FlashAttention kernel",
-             solution=solution_inner_loop,
+             solution=_solution_inner_loop,
              wrong_variants=wrong_inner_loops())(_check_inner_loop)

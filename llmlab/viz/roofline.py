@@ -102,3 +102,56 @@ def explore(batch: int, seq_len: int, config: ModelConfig, ceilings: Ceilings,
           f"{dec.intensity:.2f} FLOP/byte ({bound}-bound, ridge {ceilings.ridge_point:.1f}); "
           f"at best {ceilings.attainable(dec.intensity) / dec.flops * batch:.0f} tokens/s")
     return fig
+
+
+def matmul_row_times(weight, rows: list[int], repeats: int = 7) -> dict[int, list[float]]:
+    """Seconds of ``x @ weight.T`` for ``x`` of each row count (``F.linear``, the call the
+    eager model makes), ``repeats`` runs each after a warm-up, row counts interleaved so a
+    slow moment lands on all of them. One weight read per call whatever the rows: a flat
+    line is a matmul that reuses its weights, a jump is the library changing its method."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..profiling import time_interleaved
+
+    if not rows or any(not isinstance(r, int) or r < 1 for r in rows):
+        raise ValueError(f"rows={rows!r} must be positive ints")
+    xs = {r: torch.randn(r, weight.shape[1], dtype=weight.dtype, device=weight.device)
+          for r in rows}
+    with torch.inference_mode():
+        got = time_interleaved({r: (lambda x=xs[r]: F.linear(x, weight)) for r in rows},
+                               repeats=repeats, warmup=2, device=weight.device)
+    return {r: got[r].times_s for r in rows}
+
+
+def plot_batch_sweep(step_s: dict[int, list[float]], matmul_s: dict[int, list[float]] | None = None,
+                     fit=None, title: str = ""):
+    """Left: a decode step's median time against the batch (min–max as a band), with a
+    fitted line when ``fit`` (a :class:`llmlab.profiling.Fit`) is given. Right: one
+    matrix's time against its rows (``matmul_row_times``), when given."""
+    import statistics
+
+    ncols = 2 if matmul_s else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(4.6 * ncols, 3.2), dpi=80, squeeze=False)
+    for ax, data, ylabel in ((axes[0][0], step_s, "ms per decode step"),
+                             *(((axes[0][1], matmul_s, "ms per call"),) if matmul_s else ())):
+        xs = sorted(data)
+        med = [statistics.median(data[x]) * 1e3 for x in xs]
+        ax.plot(xs, med, "o-", ms=4, label="measured (median)")
+        ax.fill_between(xs, [min(data[x]) * 1e3 for x in xs], [max(data[x]) * 1e3 for x in xs],
+                        alpha=0.25)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch (rows)", ylabel=ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    if fit is not None:
+        xs = np.array(sorted(x for x in step_s if x >= 2), dtype=float)
+        axes[0][0].plot(xs, fit.predict(xs) * 1e3, "--", color="gray",
+                        label=f"fit over batch ≥ 2: {fit.a * 1e3:.0f} + {fit.b * 1e3:.1f}·batch ms")
+    axes[0][0].legend(fontsize=7)
+    axes[0][0].set_title("SmolLM2 decode step", fontsize=9)
+    if matmul_s:
+        axes[0][1].set_title("the LM head alone (49152 × 576, float32)", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -470,7 +470,7 @@ widgets.interactive(show_tiles,
                     causal=True)
 
 # %%
-show_tiles(1024, 1024, 128, 128)
+show_tiles(768, 768, 128, 128)
 
 
 # %% [markdown]
