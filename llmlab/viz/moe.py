@@ -4,8 +4,10 @@
 top-k and capacity factor: it routes a synthetic batch through a seeded random router and
 shows each expert's load against its capacity, what gets dropped, and the balance loss.
 ``measure_dispatch`` times the three dispatch strategies (median of several runs after a
-warm-up, every run kept so the figure can show the spread); ``plot_moe_gpu_model`` draws
-a roofline model of the GPU case, labelled as a model.
+warm-up, every run kept so the figure can show the spread); ``compare_dispatch`` compares
+two strategies' runs per token count and ``pair_sentence`` writes the notebook's sentence from
+those verdicts; ``plot_moe_gpu_model`` draws a roofline model of the GPU case, labelled as a
+model.
 """
 from __future__ import annotations
 
@@ -166,6 +168,43 @@ def _measure(tokens, experts, fixed_tokens, shape, repeats, strategies_by_expert
 def median_of(row: dict, key: str) -> float:
     """The median of one row's runs, e.g. ``median_of(row, "dense ms")``."""
     return _summary(row[key])[0]
+
+
+def compare_dispatch(token_rows: list[dict], baseline: str, candidate: str = "grouped"):
+    """One :func:`llmlab.profiling.compare` per token row: ``baseline``'s runs against
+    ``candidate``'s (ratio of medians above 1: the candidate is faster)."""
+    from ..profiling import compare
+
+    return [compare(r[f"{baseline} ms"], r[f"{candidate} ms"], baseline, candidate)
+            for r in token_rows]
+
+
+def pair_sentence(tokens: list[int], comparisons: list) -> str:
+    """The notebook's sentence on two dispatch strategies, written from each comparison's
+    verdict: the sizes where the candidate is faster, where the baseline is, and the ties,
+    each with its ratio and interval. A tie is written as a tie."""
+    if len(tokens) != len(comparisons) or not tokens:
+        raise ValueError(f"need one comparison per token count, got {len(tokens)} token counts "
+                         f"and {len(comparisons)} comparisons")
+
+    def sizes(cs):
+        return ", ".join(f"{n} token{'s' if n != 1 else ''} ({text})" for n, text in cs)
+
+    first = comparisons[0]
+    base, cand = first.baseline, first.candidate
+    faster = [(n, c.interval()) for n, c in zip(tokens, comparisons) if c.verdict == "faster"]
+    slower = [(n, f"{1 / c.ratio:.2f}× [{1 / c.hi:.2f}–{1 / c.lo:.2f}]")
+              for n, c in zip(tokens, comparisons) if c.verdict == "slower"]
+    ties = [(n, c.interval()) for n, c in zip(tokens, comparisons) if not c.resolved]
+    parts = []
+    if faster:
+        parts.append(f"{cand} is faster than {base} at {sizes(faster)}")
+    if slower:
+        parts.append(f"{base} is faster than {cand} at {sizes(slower)}")
+    if ties:
+        where = "at any size measured: " if not (faster or slower) else "at "
+        parts.append(f"{base} and {cand} do not differ at this noise {where}{sizes(ties)}")
+    return "; ".join(parts)
 
 
 def _errorbar(ax, xs, rows, key, name):

@@ -231,21 +231,26 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # %% [markdown]
 # ## The map of the workbook
 #
-# | # | notebook | the one thing swapped |
-# |---|---|---|
-# | 00 | setup and tour | — |
-# | 01 | baseline: where time goes | nothing yet: profile the no-cache loop; you write naive attention |
-# | 02 | KV cache and the roofline | recompute everything → cache K and V; prefill vs decode |
-# | 03 | FlashAttention | naive attention → tiled online softmax (PyTorch and Triton) |
-# | 04 | PagedAttention | contiguous cache → blocks, block tables, copy-on-write, prefix cache |
-# | 05 | continuous batching | static padded batches → iteration-level scheduling |
-# | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch |
-# | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed |
-# | 08 | quantization | float32 weights → int8 / int4 / Q4_1 / fp8 weights; quality (KLD) and decode speed |
-# | 09 | speculative decoding | one token per forward → k drafted tokens verified in one forward |
-# | 10 | serving over HTTP | one Python process → an OpenAI-compatible server under Poisson load |
+# Each notebook swaps one thing and says which notebooks to read first. Notebook 03b is
+# optional: it takes notebook 03's loop to a GPU.
 #
-# Planned, not written yet: 11 kernel fusion and launch overhead.
+# | # | notebook | the one thing swapped | read first |
+# |---|---|---|---|
+# | 00 | setup and tour | — | — |
+# | 01 | baseline: where time goes | nothing yet: profile the no-cache loop; you write naive attention | 00 |
+# | 02 | KV cache and the roofline | recompute everything → cache K and V; prefill vs decode | 01 |
+# | 03 | FlashAttention | naive attention → tiled online softmax, in PyTorch | 01 |
+# | 03b | FlashAttention on a GPU (optional) | the tiled loop → a Triton kernel, with an H100 model | 03 |
+# | 04 | PagedAttention | contiguous cache → blocks, block tables, copy-on-write, prefix cache | 02 |
+# | 05 | continuous batching | static padded batches → iteration-level scheduling | 04 |
+# | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch | 02 |
+# | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed | 02 |
+# | 08 | quantization | float32 weights → int8 / int4 / Q4_1 / fp8 weights; quality (KLD) and decode speed | 02 |
+# | 09 | speculative decoding | one token per forward → k drafted tokens verified in one forward | 02 |
+# | 10 | serving over HTTP | one Python process → an OpenAI-compatible server under Poisson load | 04, 05 |
+# | 11 | overhead, fusion and compilation | eager operator calls → a static KV cache and a compiled decode step | 02, 08 |
+# | 12 | structured outputs | free sampling → a grammar turned into a mask over the tokens | 00 |
+# | 13 | KV beyond one request | one request's cache → a radix prefix cache, split-KV decode, attention sinks | 03, 04 |
 #
 # ## Takeaways
 #

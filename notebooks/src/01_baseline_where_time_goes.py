@@ -62,19 +62,22 @@ print("prompt tokens:", len(out.prompt_token_ids), "| generated:", len(out.token
 # time ≈ a + b · L, a fixed part a paid by every step and a part b per token in the sequence.
 
 # %%
-from llmlab.viz.baseline import fit_line, forward_step_times, plot_step_times
+from llmlab.profiling import fit_linear
+from llmlab.viz.baseline import forward_step_times, plot_step_times
 
 lengths = [8, 24, 48] if QUICK else [8, 24, 48, 96]
 steps = forward_step_times(model, lengths, repeats=5)
 ax = plot_step_times([steps], title=f"one no-cache step = a forward over the whole sequence "
                                     f"({device_name()})")
-a, b = fit_line(lengths, [s.median_s * 1e3 for s in steps])
+step_fit = fit_linear(lengths, [s.median_s * 1e3 for s in steps])
+a, b = step_fit.a, step_fit.b
 ax.plot(lengths, [a + b * n for n in lengths], "k:", label=f"fit: {a:.0f} ms + {b:.2f} ms/token")
 ax.legend(fontsize=8)
 plt.show()
 for s in steps:
     print(f"{s.n:4d} tokens: {s.median_s * 1e3:7.1f} ms (min {s.lo_s * 1e3:.1f}, max {s.hi_s * 1e3:.1f})")
-print(f"least-squares fit: {a:.1f} ms + {b:.3f} ms per token in the sequence")
+print(f"least-squares fit over all {step_fit.n} lengths: {a:.1f} ms + {b:.3f} ms per token in the "
+      f"sequence, rms residual {step_fit.rms:.1f} ms")
 
 # %% [markdown]
 # Is such a step limited by reading the 135M weights from memory, or by the arithmetic? The
@@ -97,6 +100,26 @@ for s in steps:
           f"achieved {cost.flops / s.median_s / 1e9:5.1f} GFLOP/s")
 first = next((s.n for s in steps if forward_cost(cfg, 1, s.n).intensity >= ceil.ridge_point), None)
 print("shortest measured length past the ridge point:", first)
+
+# %%
+from llmlab.profiling import weight_bytes
+
+intensity = [forward_cost(cfg, 1, n).intensity for n in lengths]
+per_weight_byte = [forward_cost(cfg, 1, n).flops / weight_bytes(cfg) for n in lengths]
+i_fit = fit_linear(lengths, intensity)
+emb_share = cfg.vocab_size * cfg.hidden_size * 4 / weight_bytes(cfg)
+display(Markdown(
+    f"The intensity grows about linearly with L: a line fitted over all {i_fit.n} lengths gives "
+    f"{i_fit.a:.1f} + {i_fit.b:.3f}·L FLOP/byte (rms residual {i_fit.rms:.2f} FLOP/byte), so each "
+    f"extra token adds about 1/{1 / i_fit.b:.1f} FLOP per byte. Per length, L divided by the "
+    "intensity is "
+    + ", ".join(f"{n / x:.1f}" for n, x in zip(lengths, intensity))
+    + f" at L = {', '.join(map(str, lengths))}. Counting only the weights' bytes, the same FLOPs "
+    f"give L/{lengths[0] / per_weight_byte[0]:.1f} to L/{lengths[-1] / per_weight_byte[-1]:.1f}: "
+    "a weight in a decoder layer does 2 FLOPs per token (a multiply and an add) for its 4 bytes, "
+    f"which alone would be L/2, and the embedding table ({emb_share:.0%} of the weight bytes) is "
+    "read for the last token's logits only. The activations' bytes also grow with L, so the full "
+    "intensity falls a little further below the weights-only line as L grows."))
 
 # %% [markdown]
 # **Explain.** In the printout the intensity (a model: it depends only on the shapes) grows with
@@ -161,7 +184,7 @@ display(Markdown(
     + f". The overhead outside them is {split.outside_s * 1e3:.0f} ms per step, "
     f"{ops.total * t_op * 1e3:.1f} ms of it the bare cost of {ops.total} operator calls. "
     f"What grows with L is the part per token ({b:.2f} ms): every step redoes all the tokens "
-    "before it (exercise 2 counts the token-passes of a whole generation)."))
+    "before it (exercise 1 at the end counts the token-passes of a whole generation)."))
 
 # %% [markdown]
 # Notebook 11 (overhead and compilation) goes after the part outside the matrix multiplies:
@@ -222,7 +245,10 @@ display(Markdown(
     f"time grew ×{grow['mlp']:.1f}: "
     + ("less than the tokens, because at short lengths much of its time is the fixed cost of "
        "streaming its weights (the intercept above), which does not grow with N."
-       if grow["mlp"] < 0.8 * k_tokens else "about as much as the tokens.")
+       if grow["mlp"] < 0.8 * k_tokens else "about as much as the tokens."
+       if grow["mlp"] <= 1.25 * k_tokens else
+       "more than the tokens, which its work does not explain: another process probably shared "
+       "the cores during this measurement, so rerun the cell.")
     + f" Attention has four such projections plus the N × N score matrix; its time grew "
     f"×{grow['attention']:.1f}, "
     + ("faster than the MLP's, and its share of the forward went from "
@@ -244,31 +270,55 @@ display(Markdown(
 # %%
 my_prediction = ...   # YOUR ANSWER: a factor, e.g. 1.5
 
+# %% [markdown]
+# **Compute first:** how many bytes does one float32 score matrix take for SmolLM2 (9 heads) at
+# N = 8192, batch 1?
+
 # %%
-from llmlab.viz.baseline import attention_cost, fit_exponent, plot_attention_cost
+answer = ...  # YOUR ANSWER: an int
+exercises.check("nb01.score_bytes", answer)
+
+# %% [markdown]
+# The measurement: one causal attention call per length, five timed runs each after a warm-up,
+# and the most memory the call held at once. A power law y ∝ N^k is fitted where the N × N term
+# leads: at the lengths where one score matrix is at least a third of naive's peak memory.
+
+# %%
+from llmlab.profiling import fit_power
+from llmlab.viz.baseline import attention_cost, plot_attention_cost
 
 ns = [128, 256, 512, 1024, 2048]
 cost = [attention_cost(n, backend=b, repeats=5) for b in ("naive", "sdpa") for n in ns]
 fig = plot_attention_cost(cost, title=f"one causal attention call, 9 heads, d=64 ({device_name()})")
 plt.show()
-for backend in ("naive", "sdpa"):
-    rs = [r for r in cost if r["backend"] == backend]
-    print(f"{backend:6s}: time ∝ N^{fit_exponent(ns[-3:], [r['seconds'] for r in rs[-3:]]):.2f}, "
-          f"peak memory ∝ N^{fit_exponent(ns[-3:], [r['peak_bytes'] for r in rs[-3:]]):.2f} "
-          f"(fits over N = {ns[-3]}…{ns[-1]}); at N = {ns[-1]}: {rs[-1]['seconds'] * 1e3:.1f} ms, "
-          f"peak {rs[-1]['peak_bytes'] / 2**20:.0f} MiB")
-print(f"one [1, 9, {ns[-1]}, {ns[-1]}] float32 score matrix: {4 * 9 * ns[-1] ** 2 / 2**20:.0f} MiB")
+rows = {b: [r for r in cost if r["backend"] == b] for b in ("naive", "sdpa")}
+regime = [r["n"] for r in rows["naive"] if r["score_bytes"] >= r["peak_bytes"] / 3]
+fits = {}
+for backend, rs in rows.items():
+    rs_in = [r for r in rs if r["n"] in regime]
+    fits[backend] = {k: fit_power(regime, [r[k] for r in rs_in]) for k in ("seconds", "peak_bytes")}
+    mem, t = fits[backend]["peak_bytes"], fits[backend]["seconds"]
+    doubling = ", ".join(f"×{b['seconds'] / a['seconds']:.1f}" for a, b in zip(rs_in, rs_in[1:]))
+    print(f"{backend:6s}: peak memory ∝ N^{mem.exponent:.2f} (rms residual {mem.rms:.0%}); "
+          f"time ∝ N^{t.exponent:.2f} (rms residual {t.rms:.0%}; per doubling of N {doubling}); "
+          f"at N = {ns[-1]}: {rs[-1]['seconds'] * 1e3:.1f} ms, peak {rs[-1]['peak_bytes'] / 2**20:.0f} MiB")
+print(f"fits over the {len(regime)} lengths N = {', '.join(map(str, regime))}, where one score "
+      "matrix is at least a third of naive's peak")
+if any(f["seconds"].rms > 0.15 for f in fits.values()):
+    print("a residual above 15% means one power law does not describe the time over these "
+          "lengths: the growth per doubling shows where it bends")
+print(f"one [1, 9, N, N] float32 score matrix at N = {ns[-1]}: {rows['naive'][-1]['score_bytes'] / 2**20:.0f} MiB "
+      "(compare with your count at N = 8192)")
 
 # %%
 naive_peak = {r["n"]: r["peak_bytes"] for r in cost if r["backend"] == "naive"}
 exercises.check("nb01.predict_memory_growth", my_prediction, measured=naive_peak[2048] / naive_peak[1024])
 
 # %%
-exp_mem = {b: fit_exponent(ns[-3:], [r["peak_bytes"] for r in cost if r["backend"] == b][-3:])
-           for b in ("naive", "sdpa")}
-peak_at = {b: [r for r in cost if r["backend"] == b][-1]["peak_bytes"] for b in ("naive", "sdpa")}
+exp_mem = {b: fits[b]["peak_bytes"].exponent for b in ("naive", "sdpa")}
+peak_at = {b: rows[b][-1]["peak_bytes"] for b in ("naive", "sdpa")}
 display(Markdown(
-    f"Naive attention's peak memory grows as N^{exp_mem['naive']:.2f}"
+    f"Over N = {regime[0]}…{regime[-1]}, naive attention's peak memory grows as N^{exp_mem['naive']:.2f}"
     + (", close to the N² of its score matrix: the scores and their softmax are the largest "
        "tensors of the call." if exp_mem["naive"] > 1.7 else
        ", short of N² at these sizes: the inputs and outputs still weigh in.")
@@ -363,15 +413,7 @@ fig, r = explore_attention(1024, "naive")
 # %% [markdown]
 # ## Exercises
 #
-# **1.** How many bytes does one float32 score matrix take for SmolLM2 (9 heads) at N = 8192,
-# batch 1?
-
-# %%
-answer = ...  # YOUR ANSWER: an int
-exercises.check("nb01.score_bytes", answer)
-
-# %% [markdown]
-# **2.** With no KV cache, how many token-passes does generating `T = 100` tokens after a `P = 30`
+# **1.** With no KV cache, how many token-passes does generating `T = 100` tokens after a `P = 30`
 # token prompt cost? (Step t, from 0, runs the model over P + t tokens.)
 
 # %%
@@ -379,7 +421,7 @@ answer = ...  # YOUR ANSWER: an int
 exercises.check("nb01.token_passes", answer)
 
 # %% [markdown]
-# **3. Stretch: padding.** A batch of prompts of different lengths is *left-padded* to one length,
+# **2. Stretch: padding.** A batch of prompts of different lengths is *left-padded* to one length,
 # and the attention must ignore the padding keys. Write `padded_attention(q, k, v,
 # key_padding_mask, causal=True)` with `key_padding_mask` `[batch, n_k]` bool, True for real
 # tokens, combined with the causal mask. A padding *query* at the start of a row has every key
@@ -398,7 +440,7 @@ exercises.check("nb01.padded_attention", padded_attention)
 # ## Takeaways
 #
 # - The baseline recomputes the whole sequence each step: quadratic work for linear output. A step costs a fixed part (the weights streamed once, plus per-step overhead) and a part per token.
-# - A no-cache step does about L/2 FLOPs per byte of weights: short ones wait on memory, long ones on arithmetic; the measured ridge point says where on this machine.
+# - A no-cache step's FLOPs per byte grow about in proportion to L (SmolLM2's shapes give L/2.5 at 8 tokens and L/3.1 at 96): short steps wait on memory, long ones on arithmetic; the measured ridge point says where on this machine.
 # - Attention's N² score matrix makes its share grow with N and limits long contexts; swapping `naive` for `sdpa` (or your own attention) changes speed and memory, not the answer.
 #
 # ## Further reading

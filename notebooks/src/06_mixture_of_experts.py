@@ -29,6 +29,7 @@ import llmlab
 from llmlab import exercises
 from llmlab.device import TRITON_MISSING, describe, device_name, has_triton
 from llmlab.layers import moe_stats as S
+from llmlab.profiling import expect, fit_power
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
@@ -269,11 +270,14 @@ spread_f = (layer_shares[others] - 1 / 8).abs().max()
 print(f"the other {len(others)} layers: Pᵢ within ±{spread_p:.3f} of 1/8 = 0.125, "
       f"fᵢ within ±{spread_f:.3f}")
 excess = 0.01 * 8 * ((layer_shares - 1 / 8) * (layer_probs - 1 / 8)).sum(1)
-assert torch.allclose(excess, losses - 0.01, atol=1e-5)  # loss = α + α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N)
-# what the question's answers rely on: every loss below 2α; the counts spread several times more
-# than the probabilities, in the most lopsided layer too, whose probabilities are not flat
-assert losses.max() < 0.02 and spread_f > 2 * spread_p
-assert (f_w - 1 / 8).abs().max() > 2 * (p_w - 1 / 8).abs().max() and (p_w - 1 / 8).abs().max() > 0.01
+expect(torch.allclose(excess, losses - 0.01, atol=1e-5),
+       "the identity loss = α + α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N) in every layer")
+expect(losses.max() < 0.02, "every layer's balance loss below 2α")
+expect(spread_f > 2 * spread_p, "the load shares fᵢ spreading more than twice as far from 1/8 as "
+       "the mean probabilities Pᵢ")
+expect((f_w - 1 / 8).abs().max() > 2 * (p_w - 1 / 8).abs().max() > 0.01,
+       f"layer {worst.layer}'s loads spreading more than twice as far as its probabilities, "
+       "which are not flat")
 
 # %%
 Markdown(f"An untrained router is far from balanced in its *counts*: in {lopsided} of the "
@@ -327,34 +331,36 @@ exercises.check("nb06.predict_drops", my_drop_prediction, measured=100 * unbiase
 # ## Measure: one MoE layer, three strategies, on this CPU
 #
 # A Mixtral-shaped layer scaled down 8× (hidden 512, intermediate 1792), random weights, on
-# one thread (steadier when other work shares the machine). Each point is the median of 5 runs
-# after a warm-up; the bars span the fastest to the slowest run. (`python -m llmlab.bench moe`
+# one thread (steadier when other work shares the machine). Each point is the median of 7 runs
+# after a warm-up; the bars span the fastest to the slowest run. Each pair of strategies is
+# compared by the ratio of their medians, with a 95% bootstrap interval over the runs: an
+# interval that contains 1 means this run cannot tell the two apart. (`python -m llmlab.bench moe`
 # runs a longer sweep.)
 
 # %%
-from llmlab.viz.moe import measure_dispatch, median_of, plot_dispatch_times
+from llmlab.viz.moe import compare_dispatch, measure_dispatch, median_of, pair_sentence, plot_dispatch_times
 
 tokens = [1, 64, 512] if QUICK else [1, 16, 128, 512]
 experts_sweep = [2, 8, 32] if QUICK else [2, 4, 8, 16, 32]
-token_rows, expert_rows = measure_dispatch(tokens, experts_sweep, fixed_tokens=128, repeats=5)
+token_rows, expert_rows = measure_dispatch(tokens, experts_sweep, fixed_tokens=128, repeats=7)
 fig = plot_dispatch_times(token_rows, expert_rows, f"{device_name()}; timed on 1 thread")
-for r in token_rows:
-    d, lp, g = (median_of(r, f"{s} ms") for s in ("dense", "loop", "grouped"))
-    print(f"{r['tokens']:4d} tokens: dense {d:7.1f} ms, loop {lp:7.1f} ms, grouped {g:7.1f} ms "
-          f"-> dense/grouped {d / g:.1f}x, loop/grouped {lp / g:.2f}x")
-first, last = expert_rows[0], expert_rows[-1]
-growth = {}
-for s in ("dense", "grouped"):
-    a, b = median_of(first, f"{s} µs/token"), median_of(last, f"{s} µs/token")
-    growth[s] = b / a
-    print(f"{s:8s}: {a:6.0f} µs/token with {first['experts']} experts, {b:6.0f} with "
-          f"{last['experts']} ({b / a:.1f}x for {last['experts'] // first['experts']}x the experts)")
-# the reading below relies on: dense slower at one token, loop and grouped level, and dense
-# growing much faster with the experts than grouped
-one = token_rows[0]
-assert median_of(one, "dense ms") > 1.5 * median_of(one, "grouped ms")
-assert all(0.5 < median_of(r, "loop ms") / median_of(r, "grouped ms") < 2.0 for r in token_rows)
-assert growth["dense"] > 2 * growth["grouped"]
+vs_dense = compare_dispatch(token_rows, "dense")     # dense's runs against grouped's, per row
+vs_loop = compare_dispatch(token_rows, "loop")
+for r, cd, cl in zip(token_rows, vs_dense, vs_loop):
+    print(f"{r['tokens']:4d} token{'s' if r['tokens'] > 1 else ' '}: dense {cd.baseline_median:6.1f} ms, loop {cl.baseline_median:6.1f} ms, "
+          f"grouped {cd.candidate_median:6.1f} ms -> dense/grouped {cd.interval()}, "
+          f"loop/grouped {cl.interval()}")
+e_axis = [r["experts"] for r in expert_rows]
+grow = {s: fit_power(e_axis, [median_of(r, f"{s} µs/token") for r in expert_rows])
+        for s in ("dense", "grouped")}
+for s, f in grow.items():
+    print(f"{s:8s}: µs/token ∝ E^{f.exponent:.2f} over E = {', '.join(map(str, e_axis))} "
+          f"(rms residual {f.rms:.0%}), {expert_rows[0]['tokens']} tokens, top-2")
+expect(vs_dense[0].verdict == "faster" and vs_dense[0].ratio > 1.5,
+       "grouped clearly faster than dense at one token (dense runs all 8 experts, grouped 2)")
+expect(all(0.5 < c.ratio < 2.0 for c in vs_loop), "loop and grouped within 2× of each other")
+expect(grow["dense"].exponent > grow["grouped"].exponent + 0.2,
+       "dense's time per token growing with the experts much faster than grouped's")
 
 # %% [markdown]
 # Read the printed ratios against two models. **FLOPs**: dense does E/k = 4 times the
@@ -362,15 +368,33 @@ assert growth["dense"] > 2 * growth["grouped"]
 # ratio approaches 4. **Bytes**: with a single token, dense still runs (and reads the weights
 # of) all 8 experts while grouped touches only the 2 chosen ones, so dense is slower; from
 # a few dozen tokens on every expert has work, grouped reads them all too, and its advantage
-# shrinks until the FLOPs take over (the GPU model below has the same shape). **loop** and
-# **grouped** run the same per-expert matrix multiplies on a CPU, so neither has a systematic
-# edge here: their printed ratio wanders around 1 with the noise. Grouping pays on a GPU.
+# shrinks until the FLOPs take over (the GPU model below has the same shape).
 #
-# Holding top-2 and adding experts keeps the FLOPs per token of two experts while the
-# parameters grow (Mixtral's bargain): dense time per token grows with E, grouped much less,
-# and what it does grow comes from each expert getting fewer tokens while all of its weights
-# must still be read. Every expert must also stay resident in memory.
-#
+# **loop** and **grouped** run the same per-expert matrix multiplies on a CPU. Only the
+# bookkeeping around them differs: the loop searches for each expert's tokens and scatter-adds
+# its results back, while grouped sorts the (token, expert) pairs once and gathers the rows back
+# in one step. Grouping pays on a GPU, where it turns E small launches into one kernel.
+
+# %%
+Markdown(
+    "On this run, each ratio of medians with its 95% interval (the winner's speed-up where there "
+    "is one): " + pair_sentence(tokens, vs_loop) + ". "
+    + ("Since the arithmetic is the same, a resolved difference comes from that bookkeeping; "
+       "the largest resolved gap between the medians is "
+       f"{max(abs(c.ratio - 1) for c in vs_loop if c.resolved):.0%}. "
+       if any(c.resolved for c in vs_loop) else
+       "The bookkeeping costs the same within this run's noise. ")
+    + "Against dense: " + pair_sentence(tokens, vs_dense) + "."
+    "\n\nHolding top-2 and adding experts keeps the FLOPs per token of two experts while the "
+    "parameters grow (Mixtral's bargain). Fitted over all the expert counts, dense time per token "
+    f"grows as E^{grow['dense'].exponent:.2f} and grouped as E^{grow['grouped'].exponent:.2f}"
+    + (": grouped grows much less, and what it does grow comes from each expert getting fewer "
+       "tokens while all of its weights must still be read."
+       if grow["dense"].exponent > grow["grouped"].exponent + 0.2 else
+       ": on this run the two grow alike, which the FLOP count does not predict; rerun the cell.")
+    + " Every expert must also stay resident in memory.")
+
+# %% [markdown]
 # ## The GPU case, as a model
 #
 # A CPU shows the FLOP saving but not what a GPU does, and there is no GPU here, so here is a

@@ -50,7 +50,7 @@ def naive_attention(q, k, v, causal=True):
 exercises.check("nb01.naive_attention", naive_attention)
 
 # %% [markdown]
-# ## Explain, and exercises 1–2
+# ## Compute: one score matrix; explain; exercise 1
 
 # %%
 # NBVAL_CHECK_OUTPUT
