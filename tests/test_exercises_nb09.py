@@ -199,3 +199,13 @@ def _time_forwards(smollm2, cache, ctx, best):
                 cache.advance()
                 best[w] = min(best[w], time.thread_time() - t)
                 cache.truncate(100)
+
+
+def test_predict_best_k_calls_a_tie_with_the_fastest_right_and_a_resolved_loser_wrong():
+    times = {1: [10.0, 10.2, 9.9], 2: [8.0, 8.1, 7.9], 4: [7.9, 8.3, 7.7], 8: [9.0, 9.1, 8.9]}
+    measured = {k: 10.0 / sorted(v)[1] for k, v in times.items()}
+    v4 = exercises.check("nb09.predict_best_k", 4, measured=measured, times=times)
+    v2 = exercises.check("nb09.predict_best_k", 2, measured=measured, times=times)
+    assert v4.passed and v2.passed and "cannot tell it from" in v2.message
+    v8 = exercises.check("nb09.predict_best_k", 8, measured=measured, times=times)
+    assert not v8.passed and "k = 4" in v8.message

@@ -667,8 +667,12 @@ K_CHOICES = (1, 2, 4, 8)
           solution=4,
           wrong_variants={"one draft": (1, ("rarely",)), "as many as possible": (8, ("α^i",))})
 def _check_predict_best_k(answer, measured: dict | None = None, alpha: float = 0.8,
-                          c: float = 0.15) -> object:
-    """``measured`` {k: speedup}; without it the cost model at ``alpha`` and ``c``."""
+                          c: float = 0.15, times: dict | None = None) -> object:
+    """``measured`` {k: speedup}; without it the cost model at ``alpha`` and ``c``.
+    ``times`` {k: seconds of each whole run}: then a k whose runs this noise cannot tell
+    from the fastest k's counts as right (``llmlab.profiling.compare``), a tie being a tie."""
+    from ..profiling.compare import SLOWER, compare
+
     if isinstance(answer, bool) or answer not in K_CHOICES:
         return wrong(f"answer one of k = {K_CHOICES}; got {answer!r}.", "e.g. 4")
     if measured is None:
@@ -682,7 +686,23 @@ def _check_predict_best_k(answer, measured: dict | None = None, alpha: float = 0
         return wrong(f"k = {answer} was not measured; measured: {sorted(speedups)}.")
     best = max(speedups, key=speedups.get)
     table = ", ".join(f"k={k}: {v:.2f}x" for k, v in sorted(speedups.items()))
-    if speedups[answer] >= 0.95 * speedups[best]:
+    if times is not None:
+        times = {int(k): list(v) for k, v in times.items()}
+        tied = [k for k in sorted(times) if k == best
+                or compare(times[best], times[k]).verdict != SLOWER]
+        if answer in tied:
+            others = [k for k in tied if k != answer]
+            return right(f"k = {answer}: {speedups[answer]:.2f}x ({what}: {table})"
+                         + (f"; this run cannot tell it from k = {others} (their runs overlap), "
+                            "so each of them is a right answer here." if others else
+                            ", faster than every other k beyond this run's noise.")
+                         + " The first draft is accepted with probability α, the i-th only if "
+                         "all before it were (α^i), while every draft and every verified "
+                         "position is paid for.")
+        close = False
+    else:
+        close = speedups[answer] >= 0.95 * speedups[best]
+    if close:
         return right(f"k = {answer} is within 5% of the best ({what}: {table}). The first draft "
                      "is accepted with probability α, the i-th only if all before it were "
                      "(α^i), while every draft and every verified position is paid for.")
