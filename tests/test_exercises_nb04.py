@@ -17,7 +17,9 @@ from llmlab.cache.block_manager import (BlockAllocator, BlockManager, NoFreeBloc
                                         append_to_table)
 from llmlab.exercises import nb04
 
-SRC = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "04_paged_attention.py"
+SRC_DIR = Path(__file__).resolve().parents[1] / "notebooks" / "src"
+SRC = SRC_DIR / "04_paged_attention.py"
+SRC_B = SRC_DIR / "04b_paging_fine_print.py"          # the optional appendix
 
 
 # -- the paged attention read --------------------------------------------------------------
@@ -136,8 +138,41 @@ def test_the_compute_questions_in_the_notebook_match_the_registry():
     assert f"`{nb04.SLOT_TABLE}`" in text and f"token {nb04.SLOT_POSITION}" in text
     assert f"blocks of {nb04.SLOT_BLOCK_SIZE} tokens" in text
     *head, last = nb04.WASTE_LENGTHS
-    assert f"{', '.join(map(str, head))} and {last} tokens" in text
-    assert f"blocks of {nb04.WASTE_BLOCK_SIZE} slots" in text
+    text_b = SRC_B.read_text()
+    assert f"{', '.join(map(str, head))} and {last} tokens" in text_b
+    assert f"blocks of {nb04.WASTE_BLOCK_SIZE} slots" in text_b
+
+
+def _prose_words_and_checks(path):
+    """Words of a notebook source's markdown cells (the further-reading list left out) and the
+    distinct exercises it checks."""
+    words, cell = 0, None
+    for line in path.read_text().splitlines() + ["# %%"]:
+        if line.startswith("# %%"):
+            if cell is not None:
+                words += len("\n".join(cell).split("## Further reading")[0].split())
+            cell = [] if "[markdown]" in line else None
+        elif cell is not None:
+            cell.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
+    checks = set(re.findall(r"exercises\.check\(\s*[\"']([^\"']+)[\"']", path.read_text()))
+    return words, checks
+
+
+def test_notebook_04_is_an_hour_and_04b_holds_the_rest():
+    """A core notebook: at most 2,500 words of prose and 6 exercises. 04b sorts right after 04
+    (build.py's prefix "04" builds both), has its solutions, and holds no main build: the
+    workbook's per-notebook build test globs "NN_*", which 04b does not match."""
+    words, checks = _prose_words_and_checks(SRC)
+    assert words <= 2500 and len(checks) <= 6, (words, sorted(checks))
+    names = sorted(p.name for p in SRC_DIR.glob("[0-9]*.py"))
+    assert names.index(SRC_B.name) == names.index(SRC.name) + 1
+    assert (SRC_DIR / "solutions" / "04b_paging_fine_print_solutions.py").exists()
+    in_b = {n for n in exercises.names("04") if exercises.get(n).notebook == SRC_B.stem}
+    assert in_b == {"nb04.wasted_slots", "nb04.explain_preemptions"}
+    assert all(exercises.get(n).kind != "build" for n in in_b)
+    _, checks_b = _prose_words_and_checks(SRC_B)
+    assert checks_b == in_b and not checks & in_b
+    assert "import llmlab\n" not in SRC_B.read_text()   # runs alone, and without the model
 
 
 def test_the_paged_tail_is_mostly_reservation_as_the_notebook_says():

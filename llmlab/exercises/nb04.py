@@ -21,6 +21,9 @@ a model of what every sequence wrote), then the engine on SmolLM2.
 Each build's checker calls the student's code inside :func:`~llmlab.exercises.forbid` (and,
 for attention, with torch's fused ``scaled_dot_product_attention`` replaced by a raiser), so
 a wrapper around llmlab's own implementation fails and is told so.
+
+``nb04.wasted_slots`` (the unfilled tail of the last blocks) and ``nb04.explain_preemptions``
+belong to the optional appendix, notebook 04b (``NB_FINE``).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from . import (choice_verdict, compare_tensors, exercise, first_token_difference
                number_verdict, right, wrong)
 
 NB = "04_paged_attention"
+NB_FINE = "04b_paging_fine_print"     # the optional appendix: the tail, the cap, preemptions
 
 
 # ---- 1. the slot of a token (compute) ------------------------------------------------------
@@ -87,7 +91,7 @@ def wasted_slots(lengths: list[int], block_size: int) -> int:
     return sum(-(-n // block_size) * block_size - n for n in lengths)
 
 
-@exercise("nb04.wasted_slots", notebook=NB,
+@exercise("nb04.wasted_slots", notebook=NB_FINE,
           title=f"slots held but not filled by sequences of {WASTE_LENGTHS} tokens in blocks "
                 f"of {WASTE_BLOCK_SIZE}",
           kind="compute", solution=wasted_slots(WASTE_LENGTHS, WASTE_BLOCK_SIZE),
@@ -1318,7 +1322,7 @@ _PREEMPT_EXPLANATIONS = {
 }
 
 
-@exercise("nb04.explain_preemptions", notebook=NB,
+@exercise("nb04.explain_preemptions", notebook=NB_FINE,
           title="why does paging preempt, while reserving the maximum length never does?",
           kind="explain", solution="b", choices=PREEMPT_CHOICES,
           wrong_variants={"fragmentation": ("c", ("fragmentation",)),

@@ -15,7 +15,10 @@
 # This notebook builds that memory manager and the attention that reads it: you write the block
 # allocator, the copy-on-write that lets sequences share blocks, and the paged attention read
 # that the serving engine then runs in every layer of SmolLM2. Then it measures the waste on a
-# request trace and models what the saved memory buys on a GPU.
+# request trace, the blocks that sharing saves, and the block size's trade-off. The optional
+# notebook 04b reads the fine print: the unfilled tail, the cap a reservation must guess, the
+# preemptions that paging's larger batch brings, a labelled model of what the saved memory buys
+# on an H100, and what the compiler makes of the paged kernel for one.
 
 # %%
 import os
@@ -30,6 +33,7 @@ from llmlab.cache import waste
 from llmlab.cache.block_manager import BlockManager, NoFreeBlocksError
 from llmlab.cache.paged import PagedKVCache
 from llmlab.device import TRITON_MISSING, device_name, has_triton
+from llmlab.profiling import expect
 from llmlab.viz import paged as pviz
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
@@ -401,128 +405,13 @@ for r in results:
     print(f"{r.label:18s} waste {r.waste:5.1%}  (reservation {f['reservation']:5.1%}, internal "
           f"{f['internal']:5.1%}, external {f['external']:4.1%} of the pool)  "
           f"{r.mean_running:5.1f} sequences in flight  {r.preemptions} preemptions")
-fc = c.fractions()
-print(f"paged, to two decimals: reservation {fc['reservation']:.2%}, internal {fc['internal']:.2%} "
-      "of the pool")
-assert fc["internal"] < 0.1 * fc["reservation"], "the paged tail: mostly slots still to be written"
 
 # %% [markdown]
-# Paging leaves one kind of unfilled memory: the tail of each sequence's last block. The
-# simulation splits it by what will happen to it. While a sequence is still generating, the
-# slots after its newest token will be written in the coming steps, so they count as
-# *reservation*: that is nearly all of bar (c)'s waste. Only the slots past a sequence's *final*
-# token are never written, and they are held only from the step it enters its last block until
-# it finishes and frees it: that is the *internal* share, printed to two decimals above
-# (the assertion checks that it is under a tenth of the reservation). Both are bounded by `block_size − 1` slots per sequence.
+# Paging leaves one kind of unfilled memory: the tail of each sequence's last block, at most
+# `block_size − 1` slots per sequence, which is all of bar (c)'s waste. The larger batch it allows
+# comes with the preemptions counted in the last column: notebook 04b follows them, with the tail,
+# the cap that policy (a) must guess, and a model of what the saved memory buys on a GPU.
 #
-# ### Exercise 7 (compute): the unfilled tail
-#
-# Four sequences of 37, 70, 16 and 5 tokens live in blocks of 16 slots. How many slots do their
-# blocks hold that no token fills?
-
-# %%
-answer = ...  # YOUR ANSWER: an integer
-exercises.check("nb04.wasted_slots", answer)
-
-# %% [markdown]
-# The cap is a guess the server must make: any request may run to it. Set it at the trace's
-# longest output (printed above) or beyond, and policy (a) holds ever more memory for nothing:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-caps = (1024, 1536, 2048, 4096)
-capped = [waste.simulate(reqs, "max_len", BUDGET, max_tokens=cap) for cap in caps]
-fig = pviz.plot_cap_sweep(capped, caps, c)
-for cap, r in zip(caps, capped):
-    print(f"cap {cap:4d}: waste {r.waste:5.1%}, {r.mean_running:5.1f} sequences in flight "
-          f"(paged: {c.mean_running:.1f}, {c.mean_running / r.mean_running:.1f}×)")
-
-# %% [markdown]
-# ### Exercise 8 (explain): why does paging preempt?
-#
-# Look at the printouts above: paging keeps more sequences in flight than reserving
-# prompt + 1024 (the printed ratios), yet it preempted requests (the printed count), and
-# policy (a) never does. Why?
-
-# %%
-exercises.ask("nb04.explain_preemptions")
-
-# %%
-my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
-exercises.check("nb04.explain_preemptions", my_choice)
-
-# %% [markdown]
-# A preemption is not free. The preempted request's blocks are freed and, when it is admitted
-# again, its prompt and everything it had generated are prefilled again. The simulation counts a
-# step as one token per sequence and charges nothing for that recompute, so count it separately,
-# for pools of three sizes:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-
-total = sum(r.total_tokens for r in reqs)
-prompt_total = sum(r.prompt_tokens for r in reqs)
-print(f"the trace: {total:,} tokens, {prompt_total:,} of them in prompts")
-pools = {}
-for budget in (BUDGET, 2 * BUDGET, 4 * BUDGET):
-    m = waste.simulate(reqs, "max_len", budget, max_tokens=CAP)
-    p = waste.simulate(reqs, "paged", budget, block_size=16)
-    pools[budget] = (m, p)
-    print(f"pool {budget:6,d} slots: {p.mean_running:5.1f} vs {m.mean_running:5.1f} sequences "
-          f"({p.mean_running / m.mean_running:.1f}×), {p.preemptions:3d} preemptions, "
-          f"{p.recomputed_tokens:6,d} tokens recomputed ({p.recomputed_tokens / total:4.0%} of the "
-          f"trace); steps to finish {p.steps:,} vs {m.steps:,} "
-          f"({p.steps / m.steps:.0%})")
-m1, p1 = pools[BUDGET]
-m4, p4 = pools[4 * BUDGET]
-vs_prompts = ("more than" if p1.recomputed_tokens > prompt_total else "less than")
-slowest = max(p.steps / m.steps for m, p in pools.values())
-display(Markdown(
-    f"So \"paging fits {p1.mean_running / m1.mean_running:.1f}× as many sequences\" needs its fine "
-    f"print. With {BUDGET:,} slots the paged pool is overcommitted: it admits on the prompt alone, "
-    f"and over the trace it recomputes {p1.recomputed_tokens:,} tokens, {vs_prompts} all the "
-    f"trace's prompts together ({prompt_total:,}). With 4× the memory the ratio is "
-    f"{p4.mean_running / m4.mean_running:.1f}×, with {p4.preemptions} preemptions instead of "
-    f"{p1.preemptions}. At every pool size paging finishes the trace in at most "
-    f"{slowest:.0%} of the steps that reserving the cap takes."))
-
-# %% [markdown]
-# That recompute is prefill, the cheapest work per token a GPU does (notebook 02: compute-bound,
-# many tokens per weight read), so it costs far less than the decode steps the larger batch
-# saves, but it is not nothing, and a real scheduler limits how often it happens (vLLM, for
-# instance, admits a request only while a watermark of free blocks remains). Fewer steps for the
-# same tokens is the throughput that paging is for, which the next cell models on a GPU and
-# notebook 05 measures.
-#
-# ### What the saved memory buys on a GPU (a model)
-#
-# Nothing here runs on a GPU; it is a labelled model. Take a 13B-parameter Llama-2 (40 layers,
-# 40 KV heads of 128, 16-bit: 800 KiB of K/V per token) on one H100 (80 GB, 3.35 TB/s,
-# 989 TFLOP/s dense BF16, vendor figures). With 90% of the memory in use, 26 GB of weights leave
-# room for about 56,000 token slots. Run the trace through that pool with policies (a) and (c),
-# then price every decode step with the roofline of notebook 02 (time = max(bytes / bandwidth,
-# FLOPs / peak) at the mean batch and context), plus the prefill FLOPs of every recomputed token.
-
-# %%
-rows = pviz.gpu_serving_model(reqs)
-fig = pviz.plot_gpu_serving_model(rows)
-base, paged_row = rows
-for r in rows:
-    print(f"{r.policy:8s}: {r.mean_running:5.1f} sequences in flight, one decode step "
-          f"{r.step_s * 1e3:4.1f} ms, {r.preemptions} preemptions -> {r.tokens_per_s:6,.0f} tokens/s "
-          "(model)")
-print(f"paged / max_len: {paged_row.tokens_per_s / base.tokens_per_s:.2f}× the modelled throughput")
-
-# %% [markdown]
-# A decode step is memory-bound: it reads every weight once and every sequence's K/V once. A larger
-# batch shares the weight reads among more tokens, so the modelled throughput grows with the
-# sequences in flight, less than in proportion because their K/V must be read too. The paged
-# kernel itself reads the same K/V bytes as a contiguous one plus a 4-byte block-table entry per
-# 16 tokens; Kwon et al. measured their kernel 20–26% slower than FasterTransformer's contiguous
-# attention kernel, a small price next to the batch it allows. The model leaves out kernel
-# overheads and scheduling gaps; `make gpu-check` measures the kernels on a real GPU.
-
-# %% [markdown]
 # **Sharing.** Parallel sampling (n = 4 answers to one prompt) forks after the prompt: the prompt's
 # blocks are stored once. Beam search (width 4) forks at every step, and beams share long common
 # histories. Counted on the block manager for Alpaca-like requests (short prompts) and ShareGPT-like
@@ -659,7 +548,9 @@ print("paged_sdpa ms:     " + " ".join(f"{t:6.1f}" for t in sdpa_ms.values()))
 steps = {s: shape["context"] // s for s in cost_ms}
 fall = cost_ms[4] / cost_ms[256]
 spread = max(sdpa_ms.values()) / min(sdpa_ms.values())
-assert cost_ms[4] > 2 * cost_ms[32] > 2 * cost_ms[256], "the block walk falls with block size"
+expect(cost_ms[4] > 2 * cost_ms[32] > 2 * cost_ms[256],
+       "the block-by-block walk getting more than 2× faster from blocks of 4 to 32 and again "
+       "from 32 to 256")
 display(Markdown(
     f"Walking the table costs {cost_ms[4]:.0f} ms at blocks of 4 and {cost_ms[256]:.1f} ms at "
     f"256, {fall:.0f}× less. The keys and values read are the same bytes at every size; what "
@@ -674,43 +565,8 @@ display(Markdown(
     "default; `python -m llmlab.bench paged --gpu` times the Triton kernel on a GPU."))
 
 # %% [markdown]
-# ### What the compiler makes of `paged_triton` at each block size (compiled for H100, not run)
-#
-# Triton and NVIDIA's `ptxas` (shipped with Triton) can build the kernel for an H100 (`sm_90`) on
-# this CPU machine; `python -m llmlab.kernels.report` reads back what each build uses, and
-# `data/kernel_builds.json` keeps the result for every block size of the widget. Nothing ran on a
-# GPU. Notebook 03 explains the columns: registers per thread (at most 255; beyond that, spills to
-# local memory, which lives in DRAM), shared memory per block, theoretical occupancy (resident
-# warps over the SM's 64), and tensor-core instructions (HGMMA, Hopper's `wgmma`; HMMA, the
-# warp-level `mma.sync`). Sources: NVIDIA CUDA C++ Programming Guide (technical specifications
-# per compute capability; local memory) and CUDA C++ Best Practices Guide (occupancy).
-#
-# llmlab's kernel takes its tile from the wrapper, not from the pool: 16 packed query rows ×
-# 64 keys per step in bfloat16 (`default_tile`), whatever the block size. The block size only
-# enters the address of each key, `block_table[j // block_size] * block_size + j % block_size`.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print("compiled for H100 (sm_90), not run: paged_triton, bf16, head_dim 64, 3 query heads per KV head")
-print(f"{'block':>5s} {'tile':>19s} {'regs/thread':>11s} {'spill B':>7s} {'smem KiB':>8s} "
-      f"{'occupancy':>9s} {'HMMA':>4s} {'HGMMA':>5s}")
-paged_builds = {s: R.lookup("paged", "H100", "bf16", block_size=s, head_dim=64) for s in sizes}
-for s, b in paged_builds.items():
-    print(f"{s:5d} {b.config:>19s} {b.registers:11d} {b.spill_bytes:7d} {b.shared_bytes / 1024:8.0f} "
-          f"{b.occupancy:9.0%} {b.tensor_core_ops['HMMA']:4d} {b.tensor_core_ops['HGMMA']:5d}")
-regs = [b.registers for b in paged_builds.values()]
-print(f"registers/thread over block sizes {sizes[0]}..{sizes[-1]}: {min(regs)} to {max(regs)}; "
-      f"spilling builds: {sum(b.spills for b in paged_builds.values())}")
-
-# %% [markdown]
-# The builds hardly differ (the printed range): the block size changes a division and a
-# remainder, not the tile, so the work per step and the registers and shared memory it needs
-# stay the same. What a GPU would feel is elsewhere: with blocks smaller than the 64-key step,
-# its keys come from 64 / block_size different blocks, each a separate lookup in the table and
-# a separate place in memory. The 16-row tile's dots are too small for a warpgroup's `wgmma`
-# (it needs 64 rows), so even the H100 build uses the warp-level HMMA. The widget shows the
-# build beside the simulation and the CPU time for each block size; `chip` picks the GPU it is
-# compiled for.
+# In the widget, the right panel is what the compiler makes of `paged_triton` at that block size
+# for the GPU that `chip` names: compiled on this CPU, not run; notebook 04b reads these builds.
 
 # %%
 widgets.interactive(lambda block_size, chip: pviz.plot_block_size_tradeoff(
@@ -721,13 +577,14 @@ widgets.interactive(lambda block_size, chip: pviz.plot_block_size_tradeoff(
 # %% [markdown]
 # ## Takeaways
 #
-# * Reserving each request's maximum length leaves most KV memory unused (bar (a)), and more as
-#   the cap grows; paging with 16-token blocks leaves only the unfilled tail of each last block.
+# * Reserving each request's maximum length leaves most KV memory unused (bar (a)); paging with
+#   16-token blocks leaves only the unfilled tail of each last block.
 # * A block table plus reference counts gives sharing for free: forks and common prefixes share
 #   blocks, and copy-on-write copies only the partly filled last block. Attention reads the
 #   blocks where they lie, one block per step with an online softmax, so nothing is gathered.
-# * The saved memory becomes a larger batch, which is where the throughput comes from, paid for
-#   with preemptions (recompute) when the pool is overcommitted.
+# * The saved memory becomes a larger batch, which is where the throughput comes from; the block
+#   size trades the tail's waste against the cost of each step of the walk. What the larger
+#   batch costs in preemptions, and buys on a GPU, is notebook 04b.
 #
 # ## Further reading
 #
@@ -735,7 +592,4 @@ widgets.interactive(lambda block_size, chip: pviz.plot_block_size_tradeoff(
 # - Yu, Jeong, Kim, Kim, Chun. *Orca: A Distributed Serving System for Transformer-Based Generative Models.* OSDI 2022. [USENIX](https://www.usenix.org/conference/osdi22/presentation/yu)
 # - Dao, Fu, Ermon, Rudra, Ré. *FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness.* NeurIPS 2022. [arXiv:2205.14135](https://arxiv.org/abs/2205.14135) (the online softmax of Exercise 5)
 # - Dao, Haziza, Massa, Sizov. *Flash-Decoding for long-context inference.* 2023. [pytorch.org blog](https://pytorch.org/blog/flash-decoding/) (decode attention split over the keys, combined with the same rescaling)
-# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
-# - NVIDIA H100 product page (bandwidth, memory, peak FLOP/s): [H100](https://www.nvidia.com/en-us/data-center/h100/)
-# - NVIDIA. *CUDA C++ Programming Guide*: [technical specifications per compute capability](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#features-and-technical-specifications) and [local memory](https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-memory-accesses); *CUDA C++ Best Practices Guide*, [occupancy](https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/index.html#occupancy)
 # - vLLM documentation: [docs.vllm.ai](https://docs.vllm.ai/)

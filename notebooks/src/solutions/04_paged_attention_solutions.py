@@ -170,20 +170,3 @@ print(f"ends with {prompt:.0f} + {output:.0f} tokens, reserves {prompt:.0f} + 10
       f"{1 - (prompt + output) / (prompt + 1024):.0%} of it never written; "
       f"measured waste {measured_max_len_waste():.0%}")
 exercises.check("nb04.predict_waste", 0.7)
-
-# %% [markdown]
-# ### Exercise 7: the unfilled tail
-#
-# 37 tokens hold 3 blocks (48 slots, 11 unfilled), 70 hold 5 (80, 10 unfilled), 16 fill one
-# block exactly (0), 5 hold one block (11 unfilled): 32 slots.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-exercises.check("nb04.wasted_slots", 32)
-
-# %% [markdown]
-# ### Exercise 8: why paging preempts
-
-# %%
-# NBVAL_CHECK_OUTPUT
-exercises.check("nb04.explain_preemptions", "b")
