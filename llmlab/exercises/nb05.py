@@ -534,7 +534,7 @@ def _check_predict_stall(answer, measured: float | None = None):
                      "for example 1.5 if the worst stall gets 1.5× shorter.")
     if measured is None:
         measured = REFERENCE_STALL_RATIO
-    if abs(answer - measured) <= 0.35 * measured:
+    if abs(answer - measured) <= 0.3 * measured:
         return right(f"you predicted {answer:.2g}×, measured {measured:.2f}×: the worst stall "
                      "is the step that feeds the longest prompt while others wait, and a chunk "
                      "caps that step's prompt tokens at the budget.")

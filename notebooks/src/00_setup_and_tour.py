@@ -242,6 +242,7 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # | 03 | FlashAttention | naive attention → tiled online softmax, in PyTorch | 01 |
 # | 03b | FlashAttention on a GPU (optional) | the tiled loop → a Triton kernel, with an H100 model | 03 |
 # | 04 | PagedAttention | contiguous cache → blocks, block tables, copy-on-write, prefix cache | 02 |
+# | 04b | PagedAttention's fine print (optional) | the unfilled tail, the cap, preemptions and their recompute, an H100 serving model, the paged kernel's sm_90 builds | 04 |
 # | 05 | continuous batching | static padded batches → iteration-level scheduling | 04 |
 # | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch | 02 |
 # | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed | 02 |

@@ -455,7 +455,7 @@ expect(all(x > 1 for x in ttft_ratio[-2:]),
 # Use the step cost fitted above (fixed part and cost per prompt token) and the prompt lengths
 # printed below. Without chunks the worst stall is about one step that feeds a whole prompt;
 # with chunks a step feeds at most 64 tokens. How many times shorter does chunking make the worst
-# stall? Commit a number; within 35% of the measurement counts.
+# stall? Commit a number; within 30% of the measurement counts.
 
 # %%
 my_stall_prediction = ...  # YOUR ANSWER: a ratio, e.g. 1.5

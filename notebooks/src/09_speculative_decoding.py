@@ -417,23 +417,31 @@ for w in WIDTHS:
           f"{len(weights)} weight matmuls alone {mm_ms[w]:6.1f} ms{few}")
 print(f"prefill of the {ctx.shape[1]}-token prompt: {prefill_steps:.1f} decode steps")
 extra = {w: fwd_ms[w] - fwd_ms[1] for w in WIDTHS if w > 1}
-mm_extra = {w: mm_ms[w] - mm_ms[1] for w in WIDTHS if w > 1}
-share = mm_extra[2] / extra[2] if extra[2] > 0 else float("nan")
-display(Markdown(
-    f"On this machine a verify forward of 2 tokens costs **{verify_cost[2]:.2f}** decode "
-    f"steps and one of 9 tokens {verify_cost[9]:.2f}. The batch-1 model of speculative "
-    "decoding says a verify of a few tokens reads the weights once and so costs one decode "
-    f"step; the extra {extra[2]:.0f} ms from one token to two is not the arithmetic of one "
-    f"more row. The weight matmuls alone take {mm_ms[1]:.0f} ms for one row, {mm_ms[2]:.0f} ms "
-    f"for two and {mm_ms[9]:.0f} ms for nine, the same bytes each time: they carry "
-    f"{share:.0%} of that extra. It is the matrix library changing its method with the row "
-    "count (notebook 02's batch sweep measured the same switch on the LM head alone), a "
-    "property of this CPU's BLAS, not of speculative decoding. A verify step pays it at "
-    "every step, which is what the cost model below prices in as v(k + 1)."
-    + (f" A kernel that reads the weights once for a few rows, llmlab's `f32_gemv` (notebook "
-       f"11's compiled step uses it), takes {gemv_ms[1]:.0f} ms for one row and "
-       f"{gemv_ms[5]:.0f} ms for five: {gemv_ms[5] / gemv_ms[1]:.2f}×, against the library's "
-       f"{mm_ms[5] / mm_ms[1]:.2f}×." if 1 in gemv_ms and 5 in gemv_ms else "")))
+mm_share = {w: (mm_ms[w] - mm_ms[1]) / extra[w] if extra[w] > 0 else float("nan") for w in extra}
+jump = next((w for w in WIDTHS if mm_ms[w] > 1.3 * mm_ms[1]), None)
+text = (f"On this machine a verify forward of 2 tokens costs **{verify_cost[2]:.2f}** decode "
+        f"steps and one of 9 tokens {verify_cost[9]:.2f}. The batch-1 model of speculative "
+        "decoding says a verify of a few tokens reads the weights once and so costs about one "
+        f"decode step. From one token to two the forward grows by {extra[2]:.0f} ms, and the "
+        f"weight matmuls carry {mm_share[2]:.0%} of that; ")
+if jump is not None:
+    text += (f"the matmuls stay within 30% of their one-row time up to {WIDTHS[WIDTHS.index(jump) - 1]} "
+             f"rows, then take {mm_ms[jump]:.0f} ms at {jump} rows against {mm_ms[1]:.0f} ms at "
+             f"one, for the same bytes: the matrix library changing its method with the row "
+             f"count (notebook 02's batch sweep measured such a switch on the LM head alone). "
+             f"That switch carries {mm_share[jump]:.0%} of the extra time at {jump} tokens. It is "
+             "a property of this CPU's BLAS, not of speculative decoding, and a verify step pays "
+             "it at every step: the cost model below prices it in as v(k + 1).")
+else:
+    text += ("the matmuls stay within 30% of their one-row time at every width measured, so "
+             "here the verify's extra time is the rest of the forward (attention over the "
+             "cache, norms, rotary, the operators' own overhead).")
+if 1 in gemv_ms and 5 in gemv_ms:
+    text += (f" A kernel that reads the weights once for a few rows, llmlab's `f32_gemv` "
+             f"(notebook 11's compiled step uses it), takes {gemv_ms[1]:.0f} ms for one row and "
+             f"{gemv_ms[5]:.0f} ms for five: {gemv_ms[5] / gemv_ms[1]:.2f}×, against the "
+             f"library's {mm_ms[5] / mm_ms[1]:.2f}×.")
+display(Markdown(text))
 
 # %% [markdown]
 # ## Measure (2): acceptance and speedup per k and method
@@ -604,10 +612,11 @@ for r in rows:
           f"modelled speedup {r['speedup']:.2f}x")
 display(Markdown(
     f"At batch 1 the roofline model gives a verify of 5 tokens {rows[0]['verify_over_decode']:.2f} "
-    f"decode steps; this machine measured {verify_steps(5):.2f} above. The model knows only "
-    "bytes and FLOPs; the difference is the library's method switch measured in the first "
-    "cell, which the roofline cannot see. The model's lesson is the shape: as the batch grows "
-    "the verify's extra tokens stop being free, whatever the kernel."))
+    f"decode steps; this machine measured {verify_steps(5):.2f} above, {mm_share[5]:.0%} of "
+    "the difference in the weight matmuls alone, for the same bytes. The model knows only "
+    "bytes and FLOPs, so it cannot see a library that reads the same weights more slowly "
+    "for more rows. Its lesson is the shape: as the batch grows the verify's extra tokens "
+    "stop being free, whatever the kernel."))
 
 # %% [markdown]
 # ## Explain
