@@ -11,10 +11,15 @@ as a CUDA graph and replays it, so the CPU launches one graph per step (vLLM's C
 per batch size; gpt-fast's ``decode_one_token``).
 
 A graph is specialized to its input shapes. With the contiguous cache the keys grow by one
-each step, which would mean a new graph per position; the static cache
-(:class:`llmlab.cache.StaticKVCache`) keeps every shape fixed, so one graph per batch size
-serves all positions. :func:`graphs_compiled` counts the graphs compiled in this process:
-after the warm-up it must not move.
+each step. Default ``torch.compile`` (``dynamic=None``) recompiles once when that length
+changes and marks the dimension dynamic (automatic dynamic shapes): two graphs, the second
+symbolic in the length. This step compiles with ``dynamic=False`` instead (a new length would
+be a new graph) over the static cache (:class:`llmlab.cache.StaticKVCache`), which keeps
+every shape fixed: one graph per batch size and bucket of slots serves all positions, with
+loops Inductor specializes to known sizes, and CUDA graphs, which PyTorch records once per
+distinct input size even from a dynamic graph, replay one recording at every position.
+:func:`graphs_compiled` counts the graphs compiled in this process: after the warm-up it
+must not move.
 
 Every call of a compiled function first checks its *guards*, the facts the graph assumed
 (each input's shape and dtype, and by default every module and parameter it touched: several

@@ -276,3 +276,81 @@ def test_smollm2_decode_step_ops():
     # naive attention adds its two matmuls per layer (QKᵀ and P·V)
     naive = count_ops(make_decode_step(model.set_attention("naive"), 1, 16))
     assert naive.matmul_calls == 9 * model.config.num_layers + 1
+
+
+# -- steps measured against each other, and what a compiled step's gain is made of --------
+
+def _breakdown(times_ms, matmul_ms, ops=100, gemv=0):
+    from collections import Counter
+
+    from llmlab.profiling.overhead import OpCount, OverheadBreakdown
+
+    times = [t / 1e3 for t in times_ms]
+    mm = [m / 1e3 for m in matmul_ms]
+    counted = OpCount(ops, Counter({"llmlab::f32_gemv": gemv, "aten::add": ops - gemv}))
+    med = sorted(times)[len(times) // 2]
+    return OverheadBreakdown(med, min(times), max(times), sorted(mm)[len(mm) // 2], med,
+                             counted, times, mm)
+
+
+def test_step_breakdowns_times_every_step_in_the_same_rounds():
+    from llmlab.profiling.overhead import step_breakdowns
+
+    calls = []
+    a = torch.randn(256, 256)
+    fns = {"mm": lambda: (calls.append("mm"), a @ a), "add": lambda: calls.append("add")}
+    brs = step_breakdowns(fns, repeats=6, warmup=1, profiled_repeats=3)
+    assert set(brs) == {"mm", "add"}
+    for br in brs.values():
+        assert len(br.times_s) == 6 and len(br.matmul_times_s) == 3
+        assert br.matmul_s == sorted(br.matmul_times_s)[1]
+    assert brs["mm"].ops.matmul_calls == 1 and brs["add"].matmul_s == 0
+    timed = calls[2:]                                   # after one warm-up of each
+    assert timed[:3] == ["mm", "mm", "add"] and timed[3] == "add"   # the order rotates
+    with pytest.raises(ValueError, match="empty"):
+        step_breakdowns({})
+
+
+def test_outside_samples_and_the_gap_to_the_model_add_up():
+    br = _breakdown([10, 11, 12, 13, 14], [6, 7, 8])
+    assert br.outside_times_s == pytest.approx([3e-3, 4e-3, 5e-3, 6e-3, 7e-3])
+    assert _breakdown([10, 11, 12, 13, 14], [13, 13, 13]).outside_times_s == []
+    m = OverheadModel(1e9, 1e12, 10e-6)                 # 4 MB: a 4 ms roof; 100 ops: 1 ms
+    gap = m.gap(br, 4e6, 1e6, "x")
+    assert gap.modelled_s == pytest.approx(5e-3) and gap.measured_s == pytest.approx(12e-3)
+    assert (gap.inside_s, gap.outside_s) == pytest.approx((3e-3, 4e-3))
+    assert gap.gap_s == pytest.approx(gap.inside_s + gap.outside_s)
+
+
+def test_compile_split_credits_each_cause_and_says_ties():
+    from llmlab.profiling.overhead import CompileSplit, compare_parts
+
+    eager = _breakdown([20.8, 20.9, 21, 21.1, 21.2], [15, 15.2, 15.4], ops=300)
+    compiled = _breakdown([19.8, 19.9, 20, 20.1, 20.2], [15, 15.2, 15.4], ops=70)
+    gemv = _breakdown([9.8, 9.9, 10, 10.1, 10.2], [5, 5.2, 5.4], ops=70, gemv=43)
+    split = CompileSplit(eager, compiled, gemv, bytes=200_000_000)
+    assert split.compilation_s == pytest.approx(1e-3) and split.kernel_s == pytest.approx(10e-3)
+    assert split.compilation.verdict == "faster" and split.kernel.verdict == "faster"
+    text = split.markdown()
+    assert "calls, PyTorch's matmuls kept), saving 1.0 ms a step in medians" in text
+    assert "nothing else changed), saving 10.0 ms a step" in text
+    assert "Of the 11.0 ms saved in all, 9% is compilation and 91% the kernel" in text
+    assert "read at 13.2 → 38.5 GB/s" in text
+    assert "was worth 1.0 ms a step" in split.takeaway()
+    assert "GEMV, on this CPU's memory, was worth 10.0 ms a step" in split.takeaway()
+    parts = compare_parts(eager, compiled, "a", "b")
+    assert set(parts) == {"step", "inside", "outside"} and parts["inside"].verdict != "faster"
+    # compilation alone buys nothing: a tie is written as a tie, never credited
+    tie = CompileSplit(eager, _breakdown([20.7, 21.3, 21, 20.9, 21.1], [15, 15.2, 15.4], ops=70),
+                       gemv, bytes=200_000_000)
+    assert "do not differ at this noise" in tie.markdown()
+    assert "is compilation" not in tie.markdown() and "In all, " in tie.markdown()
+    assert "worth no time this run could resolve" in tie.takeaway()
+    # no C compiler: the pass is off and the text says so
+    off = CompileSplit(eager, compiled, compiled, bytes=200_000_000)
+    assert "graph pass is off" in off.markdown() and "GEMV was off" in off.takeaway()
+
+
+def test_make_decode_step_with_gemv_needs_compile(tiny):
+    with pytest.raises(ValueError, match="needs compile=True"):
+        make_decode_step(tiny, 1, 4, gemv=False)

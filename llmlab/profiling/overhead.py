@@ -40,6 +40,7 @@ import torch
 
 from ..config import ModelConfig
 from ..device import default_device, sync
+from .compare import FASTER, MIN_RUNS, SLOWER, Comparison, compare
 from .roofline import Ceilings, decode_cost, measure_ceilings
 from .timer import Timer, time_fn
 
@@ -222,10 +223,19 @@ class OverheadBreakdown:
     profiled_s: float
     ops: OpCount
     times_s: list[float] = field(default_factory=list)
+    matmul_times_s: list[float] = field(default_factory=list)
 
     @property
     def outside_s(self) -> float:
         return self.median_s - self.matmul_s
+
+    @property
+    def outside_times_s(self) -> list[float]:
+        """Each timed run minus the median time inside the matmuls: samples whose median is
+        ``outside_s`` and whose spread is the wall time's (the matmul median's own
+        uncertainty is not in it). Empty on a run where one of them is not positive."""
+        out = [t - self.matmul_s for t in self.times_s]
+        return out if out and min(out) > 0 else []
 
     @property
     def outside_per_op_s(self) -> float:
@@ -288,39 +298,60 @@ def step_breakdown(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     responsible for its own ``inference_mode`` and for being repeatable (a decode step
     that appends to a cache must have room: see :func:`make_decode_step`).
     """
+    return step_breakdowns({"fn": fn}, repeats, warmup, profiled_repeats, device)["fn"]
+
+
+def step_breakdowns(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                    profiled_repeats: int = 3, device=None) -> dict[str, OverheadBreakdown]:
+    """:func:`step_breakdown` of several steps measured against each other: ``repeats``
+    rounds in which each step runs once (the order rotating from round to round), the
+    profiled runs spread over the same rounds. A slow moment of a shared machine then lands
+    on every step's samples, not on one step's median; the medians can be compared
+    (:func:`llmlab.profiling.compare.compare` on ``times_s``)."""
     if repeats < MIN_REPEATS:
         raise ValueError(f"repeats={repeats} must be >= {MIN_REPEATS} (a median of at least five)")
     if not 1 <= profiled_repeats <= repeats:
         raise ValueError(f"profiled_repeats={profiled_repeats} must be in [1, repeats={repeats}]")
+    if not fns:
+        raise ValueError("fns is empty: pass at least one step to time")
     dev = torch.device(device) if device is not None else default_device()
-    for _ in range(warmup):
-        fn()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
     # profiled runs interleaved with the timed ones, spread over the rounds: a busy moment
     # of a shared machine then lands on both kinds of sample, not on one
     profile_at = {round(i * repeats / profiled_repeats) for i in range(profiled_repeats)}
-    times, matmul, profiled, ops = [], [], [], None
+    times = {n: [] for n in names}
+    matmul = {n: [] for n in names}
+    profiled = {n: [] for n in names}
+    ops: dict[str, OpCount] = {}
     for i in range(repeats):
-        with Timer(dev) as t:
-            fn()
-        times.append(t.seconds)
-        if i not in profile_at:
-            continue
-        with _profiled() as prof:
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
             with Timer(dev) as t:
                 fn()
-        profiled.append(t.seconds)
-        events = prof.events()
-        matmul.append(_matmul_seconds(events, dev.type == "cuda"))
-        if ops is None:
-            ops = _count(events)
-    return OverheadBreakdown(statistics.median(times), min(times), max(times),
-                             statistics.median(matmul), statistics.median(profiled), ops, times)
+            times[name].append(t.seconds)
+            if i not in profile_at:
+                continue
+            with _profiled() as prof:
+                with Timer(dev) as t:
+                    fn()
+            profiled[name].append(t.seconds)
+            events = prof.events()
+            matmul[name].append(_matmul_seconds(events, dev.type == "cuda"))
+            ops.setdefault(name, _count(events))
+    return {n: OverheadBreakdown(statistics.median(times[n]), min(times[n]), max(times[n]),
+                                 statistics.median(matmul[n]), statistics.median(profiled[n]),
+                                 ops[n], times[n], matmul[n])
+            for n in names}
 
 
 # -- decode steps to measure --------------------------------------------------------------
 
 def make_decode_step(model, batch: int, context: int, steps: int = 256,
-                     compile: bool = False) -> Callable[[], torch.Tensor]:
+                     compile: bool = False,
+                     gemv: bool | None = None) -> Callable[[], torch.Tensor]:
     """A repeatable decode step of ``model`` (a CausalLM): ``batch`` sequences, one new token
     each after ``context`` cached ones, with a contiguous KV cache, under inference mode.
 
@@ -332,6 +363,11 @@ def make_decode_step(model, batch: int, context: int, steps: int = 256,
 
     ``compile=True``: the compiled step of ``llmlab.generate(..., compile=True)`` on a
     static cache (:mod:`llmlab.compile`), which reads its whole bucket of slots every step.
+    ``gemv`` (with ``compile=True``): None runs the model's shared compiled step (the one
+    ``generate`` uses, :func:`llmlab.compile.compiled_step`); True or False a
+    :class:`~llmlab.compile.CompiledStep` of its own, with or without the CPU's float32
+    graph pass (``llmlab::f32_gemv`` in place of PyTorch's matmuls), compiled on its first
+    call.
     """
     from ..cache.contiguous import ContiguousKVCache
     from ..cache.static import StaticKVCache, slots_for
@@ -343,12 +379,14 @@ def make_decode_step(model, batch: int, context: int, steps: int = 256,
     if context + steps > c.max_position_embeddings:
         raise ValueError(f"context={context} + steps={steps} is past the model's context of "
                          f"{c.max_position_embeddings} tokens")
+    if gemv is not None and not compile:
+        raise ValueError("gemv chooses the compiled step's matmuls: it needs compile=True")
     if compile:
-        from ..compile import compiled_step
+        from ..compile import CompiledStep, compiled_step
 
         cache = StaticKVCache.for_model(model, batch, slots_for(context + steps,
                                                                 c.max_position_embeddings))
-        compiled = compiled_step(model)
+        compiled = compiled_step(model) if gemv is None else CompiledStep(model, gemv=gemv)
     else:
         cache = ContiguousKVCache.for_model(model, batch, context + steps)
     ids = torch.randint(0, c.vocab_size, (batch, 1), device=model.device,
@@ -450,6 +488,39 @@ class OverheadModel:
         return ModelledStep(label, int(bytes), int(flops), int(ops),
                             self.roof_seconds(bytes, flops), self.dispatch_seconds(ops))
 
+    def gap(self, breakdown: "OverheadBreakdown", bytes: float, flops: float,
+            label: str = "") -> "StepGap":
+        """A measured step (its :class:`OverheadBreakdown`) beside this model: how far above
+        or below the model it is, split into inside and outside the matmuls."""
+        roof = self.roof_seconds(bytes, flops)
+        dispatch = self.dispatch_seconds(breakdown.ops.total)
+        return StepGap(label, breakdown.median_s, roof + dispatch,
+                       breakdown.matmul_s - roof, breakdown.outside_s - dispatch)
+
+
+@dataclass(frozen=True)
+class StepGap:
+    """Measured minus modelled step time, seconds, in two parts that add up to it exactly
+    (the measured step is ``matmul_s + outside_s``, the model ``roof + ops · t_op``):
+
+    ``inside_s = matmul_s - roof``: the matmuls slower than the roof (weights read below
+    the measured bandwidth); ``outside_s = outside_s - ops · t_op``: the rest of the step
+    costing more than the model's t_op per call (negative: less)."""
+    label: str
+    measured_s: float
+    modelled_s: float
+    inside_s: float
+    outside_s: float
+
+    @property
+    def gap_s(self) -> float:
+        return self.measured_s - self.modelled_s
+
+    def __repr__(self) -> str:
+        return (f"StepGap({self.label!r}: measured {self.measured_s * 1e3:.2f} ms, model "
+                f"{self.modelled_s * 1e3:.2f} ms, gap {self.gap_s * 1e3:+.2f} = inside the "
+                f"matmuls {self.inside_s * 1e3:+.2f} + outside {self.outside_s * 1e3:+.2f})")
+
 
 def modelled_decode_step(model_or_config, batch: int,
                          overhead_model: OverheadModel,
@@ -504,3 +575,139 @@ def measure_decode_point(model, batch: int, context: int = 0, label: str = "",
     cost = decode_cost(model.config, batch, context, model.dtype.itemsize)
     return OverheadPoint(label or f"b={batch}", batch, ops, cost.bytes, cost.flops,
                          t.median_s, t.min_s, max(t.times_s))
+
+
+# -- what a compiled step's gain is made of -----------------------------------------------
+
+def compare_parts(baseline: OverheadBreakdown, candidate: OverheadBreakdown,
+                  baseline_name: str, candidate_name: str) -> dict[str, Comparison | None]:
+    """Two breakdowns measured in the same rounds (:func:`step_breakdowns`), compared part
+    by part through :func:`~llmlab.profiling.compare.compare`: ``"step"`` over the timed
+    runs, ``"inside"`` (the time inside the matmuls) over the profiled runs, ``"outside"``
+    over :attr:`OverheadBreakdown.outside_times_s`. A part is None where its samples
+    cannot be compared (too few, or not all positive: no matmuls, or a busy run)."""
+    def parts(br: OverheadBreakdown) -> dict[str, list[float]]:
+        return {"step": br.times_s, "inside": br.matmul_times_s, "outside": br.outside_times_s}
+
+    quantity = {"step": "", "inside": "time inside the matmuls",
+                "outside": "time outside the matmuls"}
+    unit = {"step": "runs", "inside": "profiled runs", "outside": "runs"}
+    a, b = parts(baseline), parts(candidate)
+    out: dict[str, Comparison | None] = {}
+    for part in ("step", "inside", "outside"):
+        xs, ys = a[part], b[part]
+        usable = min(len(xs), len(ys)) >= MIN_RUNS and min(xs) > 0 and min(ys) > 0
+        out[part] = (compare(xs, ys, baseline_name, candidate_name, quantity=quantity[part],
+                             unit=unit[part]) if usable else None)
+    return out
+
+
+def _said(c: Comparison | None) -> str:
+    return c.sentence() if c is not None else "too few positive samples on this run to compare"
+
+
+def _worth(what: str, seconds: float, c: Comparison) -> str:
+    if c.verdict == FASTER:
+        return f"{what} was worth {seconds * 1e3:.1f} ms a step ({c.interval()})"
+    if c.verdict == SLOWER:
+        return f"{what} cost {-seconds * 1e3:.1f} ms a step ({c.interval()})"
+    return (f"{what} was worth no time this run could resolve ({seconds * 1e3:+.1f} ms, "
+            f"{c.interval()})")
+
+
+@dataclass(frozen=True)
+class CompileSplit:
+    """A compiled CPU decode step's gain over eager, split into its two causes, from three
+    steps measured in the same rounds (:func:`step_breakdowns`):
+
+    ``eager``; ``compiled``: the graph with PyTorch's matmuls (``CompiledStep(gemv=False)``),
+    so ``eager → compiled`` is what compilation itself does (fewer calls, fused loops);
+    ``gemv``: the same graph with the float32 pass's ``llmlab::f32_gemv``, so
+    ``compiled → gemv`` is what the custom kernel does. ``bytes``: what one step reads
+    (:func:`~llmlab.profiling.roofline.decode_cost`), for the matmuls' read rate."""
+    eager: OverheadBreakdown
+    compiled: OverheadBreakdown
+    gemv: OverheadBreakdown
+    bytes: int
+
+    @property
+    def compilation(self) -> Comparison:
+        return compare(self.eager.times_s, self.compiled.times_s, "the eager step",
+                       "the compiled step (PyTorch's matmuls)")
+
+    @property
+    def kernel(self) -> Comparison:
+        return compare(self.compiled.times_s, self.gemv.times_s,
+                       "the compiled step with PyTorch's matmuls",
+                       "the compiled step with llmlab::f32_gemv")
+
+    @property
+    def total(self) -> Comparison:
+        return compare(self.eager.times_s, self.gemv.times_s, "the eager step",
+                       "the compiled step with llmlab::f32_gemv")
+
+    @property
+    def compilation_s(self) -> float:
+        """Median seconds a step saved by compiling alone (negative: lost)."""
+        return self.eager.median_s - self.compiled.median_s
+
+    @property
+    def kernel_s(self) -> float:
+        """Median seconds a step saved by the custom kernel on top (negative: lost)."""
+        return self.compiled.median_s - self.gemv.median_s
+
+    @property
+    def kernel_in_graph(self) -> bool:
+        """False where the C kernels did not build: the pass is off, both graphs the same."""
+        return self.gemv.ops.by_name["llmlab::f32_gemv"] > 0
+
+    def read_rate(self, breakdown: OverheadBreakdown) -> float:
+        """bytes / time inside the matmuls: the rate the step's weights were read at."""
+        return self.bytes / breakdown.matmul_s if breakdown.matmul_s > 0 else float("nan")
+
+    def markdown(self) -> str:
+        """The split in sentences, each comparison through :func:`compare`."""
+        e, c, g = self.eager, self.compiled, self.gemv
+
+        def ms(seconds: float) -> str:
+            return f"{seconds * 1e3:.1f} ms"
+
+        def change(saved: float) -> str:
+            return (f"saving {ms(saved)}" if saved >= 0 else f"costing {ms(-saved)}") + \
+                " a step in medians"
+
+        outside = compare_parts(e, c, "the eager step", "the compiled step")["outside"]
+        out = [f"**Compilation** alone ({e.ops.total} → {c.ops.total} operator calls, "
+               f"PyTorch's matmuls kept), {change(self.compilation_s)}: "
+               f"{self.compilation.sentence()}. Outside the matmuls, {ms(e.outside_s)} → "
+               f"{ms(c.outside_s)}: {_said(outside)}."]
+        if self.kernel_in_graph:
+            inside = compare_parts(c, g, "the step with PyTorch's matmuls",
+                                   "the step with llmlab::f32_gemv")["inside"]
+            out.append(
+                "**The custom kernel** (`llmlab::f32_gemv` for `aten::mm`, nothing else "
+                f"changed), {change(self.kernel_s)}: {self.kernel.sentence()}. Inside the "
+                f"matmuls, {ms(c.matmul_s)} → {ms(g.matmul_s)}, the step's "
+                f"{self.bytes / 1e6:.0f} MB read at {self.read_rate(c) / 1e9:.1f} → "
+                f"{self.read_rate(g) / 1e9:.1f} GB/s: {_said(inside)}.")
+        else:
+            out.append("The C kernels did not build here, so the graph pass is off and the "
+                       f"last two steps run the same graph: {self.kernel.sentence()}.")
+        saved = e.median_s - g.median_s
+        if self.total.verdict == FASTER and self.compilation_s > 0 and self.kernel_s > 0:
+            out.append(f"Of the {ms(saved)} saved in all, {self.compilation_s / saved:.0%} is "
+                       f"compilation and {self.kernel_s / saved:.0%} the kernel.")
+        else:
+            out.append(f"In all, {self.total.sentence()}.")
+        if min(e.outside_s, c.outside_s, g.outside_s) < 0:
+            out.append("A negative time outside the matmuls means their profiled runs took "
+                       "longer than the timed ones: the machine was busy; rerun the cell.")
+        return " ".join(out)
+
+    def takeaway(self) -> str:
+        """One line: what each cause was worth, with its verdict."""
+        kernel = (_worth("the custom float32 GEMV, on this CPU's memory,", self.kernel_s,
+                         self.kernel) if self.kernel_in_graph
+                  else "the custom GEMV was off (its C kernels did not build)")
+        return (_worth("removing per-op overhead by compiling", self.compilation_s,
+                       self.compilation) + "; " + kernel)
