@@ -429,21 +429,27 @@ per_token = compare(sweep[1], [t / big for t in sweep[big]], "batch 1",
                     f"batch {big}", quantity="time per generated token")
 one_more = compare(sweep[1], sweep[2], "batch 1", "batch 2", quantity="step time")
 jump_at = next((b for b in BATCHES if head_med[b] > 1.3 * head_med[1]), None)
-gap = med[1] - fit.predict(1)
+step_jump = next((b for p, b in zip(BATCHES, BATCHES[1:]) if med[b] > 1.3 * med[p]), None)
+step_jump_from = BATCHES[BATCHES.index(step_jump) - 1] if step_jump else None
+straight = fit.rms < 0.05 * statistics.fmean(med[b] for b in many)
 display(Markdown(
-    f"Batching pays per token: {per_token.sentence()}. The line over batch ≥ 2 says a step "
-    f"costs {fit.a * 1e3:.0f} ms for reading the weights and the other fixed work, plus "
-    f"{fit.b * 1e3:.1f} ms per sequence (rms residual {fit.rms * 1e3:.1f} ms). "
-    + (f"Batch 1 sits {abs(gap) * 1e3:.0f} ms {'below' if gap < 0 else 'above'} that line, "
-       f"and {one_more.sentence()}. " if abs(gap) > 2 * fit.rms else
-       f"Batch 1 sits on that line (within {abs(gap) * 1e3:.0f} ms). ")
+    f"Batching pays per token: {per_token.sentence()}. From one sequence to two, "
+    f"{one_more.sentence()}. A line over batch ≥ 2 gives {fit.a * 1e3:.0f} ms for reading "
+    f"the weights and the other fixed work plus {fit.b * 1e3:.1f} ms per sequence, "
+    + (f"and fits within {fit.rms * 1e3:.1f} ms rms. " if straight else
+       f"but its rms residual of {fit.rms * 1e3:.1f} ms says the step is not a straight line "
+       "in the batch: it rises in steps. ")
     + (f"The matrix alone shows the machine's part in it: the LM head takes "
        f"{head_med[1] * 1e3:.1f} ms at one row and {head_med[jump_at] * 1e3:.1f} ms at "
        f"{jump_at}, where the same 113 MB are read once either way. The matrix library picks "
-       "its method by the shape: a matrix–vector product for a row or a few, a blocked "
-       "matrix–matrix product beyond, which on this CPU streams the weights more slowly. "
-       "That switch, not the arithmetic of the extra rows, is the first jump of the step time; "
-       "past it, each extra row costs little."
+       "its routine by the shape (a matrix–vector product for a row or two, other kernels for "
+       "more), and here the routine for more rows reads the same bytes more slowly. "
+       + (f"The step's own first jump comes at the same place: {med[step_jump_from] * 1e3:.0f} ms "
+          f"at batch {step_jump_from}, {med[step_jump] * 1e3:.0f} ms at {step_jump}. That "
+          "switch, not the arithmetic of the extra rows, is what the step pays first."
+          if step_jump == jump_at else
+          f"The step's first jump of 30% comes at batch {step_jump}, so on this run other "
+          "parts of the step weigh in as well.")
        if jump_at is not None else
        "The matrix alone stays within 30% of its one-row time up to "
        f"{BATCHES[-1]} rows: on this machine the library reads the weights as fast for many "
