@@ -2,40 +2,29 @@
 # # 11 · Overhead, fusion and compilation
 #
 # **Why.** Notebooks 02 and 08 priced a decode step by its bytes: the weights stream once per
-# step, so the step should take bytes / bandwidth. A real step also *calls* things. An eager
-# PyTorch decode step of SmolLM2 makes about a thousand operator calls from Python (three
-# projections, a norm, RoPE, the cache write, attention, an MLP in each of 30 layers), and every
-# call costs microseconds of interpreter, dispatcher and allocation time *whatever the size of
-# its tensor*. The step time is then closer to
+# step. A real step also *calls* things: an eager decode step of SmolLM2 makes over a thousand
+# operator calls from Python, each costing microseconds of interpreter, dispatcher and allocation
+# time *whatever the size of its tensor*. The step time is then closer to
 #
 # $$t_\text{step} \approx \max\left(\frac{\text{bytes}}{\text{bandwidth}},\ \frac{\text{FLOPs}}{\text{peak}}\right) + \text{ops}\cdot t_\text{op}$$
 #
-# an *overhead roofline*. As the matmuls get faster (fewer bytes per weight, or a GPU that
-# streams 3 TB/s), the second term takes over. The systems that made inference fast attacked
-# that term in three ways:
+# an *overhead roofline*. The faster the matmuls (fewer bytes per weight, a GPU), the more the
+# second term matters. Three answers:
 #
-# - **Fusion.** NVIDIA's [FasterTransformer](https://github.com/NVIDIA/FasterTransformer) and
-#   TurboTransformers (Fang, Yu, Zhao, Zhou, *TurboTransformers: An Efficient GPU Serving System
-#   for Transformer Models*, PPoPP 2021, [arXiv:2010.05680](https://arxiv.org/abs/2010.05680))
-#   fuse every operation between two GEMMs (bias, activation, residual add, layer norm) into one
-#   kernel each, so that a layer launches a handful of kernels instead of dozens.
-# - **Compilation.** `torch.compile` traces the Python step into a graph once (TorchDynamo) and
-#   generates fused kernels for it (Inductor): Ansel et al., *PyTorch 2*, ASPLOS 2024
-#   ([doi:10.1145/3620665.3640366](https://doi.org/10.1145/3620665.3640366)). PyTorch's gpt-fast
-#   took Llama-2-7B from 25.5 to 107 tok/s on an A100 with `torch.compile` and a static KV cache
-#   alone, before any quantization ([*Accelerating Generative AI with PyTorch II: GPT,
-#   Fast*](https://pytorch.org/blog/accelerating-generative-ai-2/), 2023).
-# - **Graphs of launches.** A CUDA graph records a step's kernel launches once and replays them
-#   with one call: nano-vllm and vLLM capture the decode step per batch size
-#   (vLLM's [`CudaGraphManager`](https://docs.vllm.ai/en/v0.13.0/api/vllm/v1/worker/gpu/cudagraph_utils/)). vLLM v0.6.0
-#   reported 2.7× more throughput, mostly from removing CPU overhead around the GPU
-#   ([vLLM blog, September 2024](https://blog.vllm.ai/2024/09/05/perf-update.html)).
+# - **Fusion.** [FasterTransformer](https://github.com/NVIDIA/FasterTransformer) and
+#   TurboTransformers ([arXiv:2010.05680](https://arxiv.org/abs/2010.05680)) fuse the operations
+#   between two GEMMs (bias, activation, residual add, layer norm) into one kernel each.
+# - **Compilation.** `torch.compile` traces the step into a graph (TorchDynamo) and generates
+#   fused kernels for it (Inductor; Ansel et al., ASPLOS 2024). gpt-fast took Llama-2-7B from 25.5
+#   to 107 tok/s on an A100 with `torch.compile` and a static KV cache
+#   ([PyTorch blog, 2023](https://pytorch.org/blog/accelerating-generative-ai-2/)).
+# - **CUDA graphs** record a step's kernel launches once and replay them with one call; vLLM
+#   captures the decode step per batch size, and its v0.6.0 reported 2.7× more throughput, mostly
+#   from removing CPU overhead ([vLLM blog, 2024](https://blog.vllm.ai/2024/09/05/perf-update.html)).
 #
-# In this notebook you count the operator calls of one decode step and look at a trace of them,
-# measure what each call costs on this machine, **build** the piece that lets a compiler turn the
-# step into one graph (a KV cache whose shapes never change), compile SmolLM2's decode step with
-# it, put eager and compiled steps on the overhead roofline, and model what CUDA graphs do on a
-# GPU.
+# You will count a step's calls, measure what a call costs, **build** a KV cache whose shapes
+# never change, compile SmolLM2's step and split what compiling gained from what a custom kernel
+# gained, and model CUDA graphs on a GPU.
 
 # %%
 import os
@@ -47,9 +36,12 @@ from IPython.display import Markdown, display
 
 import llmlab
 from llmlab import exercises
+from llmlab.compile import graphs_compiled
 from llmlab.device import describe
-from llmlab.profiling.overhead import (OverheadModel, OverheadPoint, count_ops, make_decode_step,
-                                       measure_op_overhead, step_breakdown, trace_ops)
+from llmlab.profiling.compare import compare, expect
+from llmlab.profiling.overhead import (CompileSplit, OverheadModel, OverheadPoint, compare_parts,
+                                       count_ops, make_decode_step, measure_op_overhead,
+                                       step_breakdowns, trace_ops)
 from llmlab.profiling.roofline import decode_cost, measure_ceilings
 from llmlab.quant import quantize, weight_nbytes
 
@@ -81,8 +73,8 @@ for name, n in ops.by_name.most_common(8):
     print(f"  {n:5d}  {name}")
 
 # %% [markdown]
-# And what one call costs: `measure_op_overhead` times thousands of `x + x` on a one-element
-# tensor, an operator with no work in it, so what is left is the fixed cost of a call.
+# And what one call costs, in a micro-benchmark: `measure_op_overhead` times thousands of `x + x`
+# on a one-element tensor, an operator with no work in it.
 
 # %%
 t_op = measure_op_overhead()
@@ -104,13 +96,12 @@ plot_trace(trace, first=120)
 plt.show()
 first = trace[:120]
 span = first[-1].start_us + first[-1].duration_us
-inside_mm = sum(o.duration_us for o in first if o.matmul)
-inside_other = sum(o.duration_us for o in first if not o.matmul)
+mm_share = sum(o.duration_us for o in first if o.matmul) / span
+other_share = sum(o.duration_us for o in first if not o.matmul) / span
 display(Markdown(
-    f"In these {len(first)} calls ({span:.0f} µs, measured under the profiler, which slows "
-    f"calls down), {inside_mm / span:.0%} of the time is inside matmuls, "
-    f"{inside_other / span:.0%} inside the other operators and "
-    f"{1 - (inside_mm + inside_other) / span:.0%} between calls."))
+    f"In these {len(first)} calls ({span:.0f} µs, under the profiler, which slows calls down), "
+    f"{mm_share:.0%} of the time is inside matmuls, {other_share:.0%} inside the other "
+    f"operators and {1 - mm_share - other_share:.0%} between calls."))
 
 # %% [markdown]
 # ## Predict, then measure: how much of a step is overhead?
@@ -126,16 +117,16 @@ exercises.ask("nb11.predict_outside_share")
 answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 
 # %% [markdown]
-# `step_breakdown` times the step without the profiler (median of several runs), times the
-# matmuls inside it with the profiler, and calls the difference "outside": Python, the
-# dispatcher, allocations and every small operator.
+# `step_breakdowns` times each step without the profiler (the four in turn, round after round),
+# times the matmuls inside them in profiled runs, and calls the difference "outside": Python,
+# the dispatcher, allocations and every small operator.
 
 # %%
-breakdowns = {}
-for label, m, b in (("float32, batch 1", model, 1), ("int8, batch 1", int8, 1),
-                    ("float32, batch 8", model, 8), ("int8, batch 8", int8, 8)):
-    br = step_breakdown(make_decode_step(m, batch=b, context=32), repeats=7)
-    breakdowns[label] = br
+configs = {"float32, batch 1": (model, 1), "int8, batch 1": (int8, 1),
+           "float32, batch 8": (model, 8), "int8, batch 8": (int8, 8)}
+breakdowns = step_breakdowns({label: make_decode_step(m, batch=b, context=32)
+                              for label, (m, b) in configs.items()}, repeats=7)
+for label, br in breakdowns.items():
     print(f"{label:17s} {br.median_s * 1e3:6.1f} ms per step ({br.min_s * 1e3:.1f}–"
           f"{br.max_s * 1e3:.1f}); outside the matmuls {br.outside_s * 1e3:5.1f} ms "
           f"({br.outside_share:.0%}); {br.ops.total} calls")
@@ -146,45 +137,80 @@ print(exercises.check("nb11.predict_outside_share", answer,
 
 # %%
 f32, i8 = breakdowns["float32, batch 1"], breakdowns["int8, batch 1"]
+parts = compare_parts(f32, i8, "the float32 step", "the int8 step")
+said = {k: c.sentence() if c else "too few positive samples to compare on this run"
+        for k, c in parts.items()}
 display(Markdown(
-    f"From float32 to int8 the time inside the matmuls went from {f32.matmul_s * 1e3:.1f} to "
-    f"{i8.matmul_s * 1e3:.1f} ms and the time outside them from {f32.outside_s * 1e3:.1f} to "
-    f"{i8.outside_s * 1e3:.1f} ms, so the outside share went from {f32.outside_share:.0%} to "
-    f"{i8.outside_share:.0%}. Per call, the int8 step spends {i8.outside_per_op_s * 1e6:.1f} µs "
-    f"outside the matmuls, against {t_op * 1e6:.2f} µs for a tiny `x + x`: the small operators "
-    "(norms, RoPE, attention, cache writes) do some work of their own."))
+    f"At batch 1, {said['step']}. Inside the matmuls, {f32.matmul_s * 1e3:.1f} → "
+    f"{i8.matmul_s * 1e3:.1f} ms: {said['inside']}. Outside them, {f32.outside_s * 1e3:.1f} → "
+    f"{i8.outside_s * 1e3:.1f} ms: {said['outside']}. The outside share went from "
+    f"{f32.outside_share:.0%} to {i8.outside_share:.0%}."))
+
+# %% [markdown]
+# What a call costs *in a step* is t_call = (step time − time in the matmuls) / calls. It is not
+# the micro-benchmark's t_op: `x + x` on one element in a loop stays in cache and takes the
+# dispatcher's shortest path, while a step's calls also pay for the Python between them, for
+# composite operators (`aten::linear`), real-size allocations and the small operators' own work
+# (norms, RoPE, attention), with the weights streaming through pushing code and data out of
+# the caches. The roofline below uses t_call.
+
+# %%
+t_call = f32.outside_per_op_s
+print(f"t_op   = {t_op * 1e6:5.2f} µs  (x + x on one element, in a loop)")
+print(f"t_call = {t_call * 1e6:5.2f} µs  = ({f32.median_s * 1e3:.1f} ms float32 step − "
+      f"{f32.matmul_s * 1e3:.1f} ms in its matmuls) / {f32.ops.total} calls")
+print(f"t_call / t_op = {t_call / t_op:.1f}; in the trace above, "
+      f"{1 - mm_share - other_share:.0%} of the time is between calls and "
+      f"{other_share:.0%} inside the small operators")
 
 # %% [markdown]
 # ## Why a compiler needs fixed shapes
 #
-# `torch.compile` runs the step once under TorchDynamo, which records every tensor operation
-# into a graph and *guards* it: the graph is reused only while the inputs keep the shapes,
-# dtypes and Python values it was recorded with. Inductor then generates one program for that
-# graph: the elementwise operators between two matmuls merge into single loops (fusion), and
-# the Python that called them runs once per step instead of once per operator.
+# `torch.compile` runs the step once under TorchDynamo, which records its tensor operations into
+# a graph and *guards* it: the graph is reused while the inputs keep the shapes, dtypes and
+# Python values it was recorded with. Inductor then generates code for the graph: the elementwise
+# operators between two matmuls merge into single loops, and the Python that called them runs
+# once per step instead of once per operator.
 #
-# Notebook 02's contiguous cache reads `k[:, :, :length]`: a tensor one slot longer at every
-# step. To a compiler that is a new shape, a failed guard and a new graph at every position,
-# hundreds of compilations for one answer. gpt-fast's answer is a **static KV cache**:
+# Notebook 02's contiguous cache reads `k[:, :, :length]`, one slot longer at every step. Default
+# `torch.compile` (`dynamic=None`) compiles the first length as a static graph; when the length
+# changes, the guard fails and the recompile marks that dimension dynamic (*automatic dynamic
+# shapes*), so the second graph is symbolic in the length and serves every later one. Counted on a
+# small attention over a growing K/V, against `dynamic=False`, which keeps every graph static:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def attend(q, k, v):
+    return (q @ k.transpose(-1, -2) / 8).softmax(-1) @ v
+
+
+q = torch.randn(1, 9, 1, 64)
+for dynamic, lengths in ((None, range(32, 64)), (False, range(32, 36))):
+    fn, before, new_at = torch.compile(attend, dynamic=dynamic), graphs_compiled(), []
+    with torch.inference_mode():
+        for n in lengths:
+            seen = graphs_compiled()
+            fn(q, torch.randn(1, 9, n, 64), torch.randn(1, 9, n, 64))
+            new_at += [n] if graphs_compiled() > seen else []
+    print(f"dynamic={dynamic}: {graphs_compiled() - before} graphs for {len(lengths)} lengths "
+          f"(a new graph at lengths {new_at})")
+
+# %% [markdown]
+# So default `torch.compile` pays two graphs for a growing cache, not one per position. llmlab
+# still compiles with `dynamic=False` over a **static KV cache**, as gpt-fast does: one graph per
+# batch bucket, for known sizes, and what CUDA graphs need, since they replay fixed shapes at fixed
+# addresses (PyTorch records a new CUDA graph for each size a dynamic graph meets).
 #
-# - per layer, K and V are allocated once as `[batch, kv_heads, max_len + 1, head_dim]`; a
-#   token at position p lives in slot p, and the extra last slot is a *bin* where padding
-#   tokens write and which nobody reads;
-# - the step writes its new K/V with a scatter at a **tensor** of slots, so the position is
-#   data flowing through the graph, not a number baked into it;
-# - attention reads **all** slots under a mask `slot ≤ position of the query` built from that
-#   tensor: the slots not written yet (or left over from an earlier request) are masked out.
+# - per layer, K and V are allocated once as `[batch, kv_heads, max_len + 1, head_dim]`; position
+#   p lives in slot p, and the last slot is a *bin* where padding tokens write and nobody reads;
+# - the step writes its new K/V with a scatter at a **tensor** of slots: the position is data in
+#   the graph, not a number baked into it;
+# - attention reads **all** slots under the mask `slot ≤ position of the query`.
 #
-# The price is that every step attends over `max_len` slots whatever the length, which is why
-# `llmlab` sizes `max_len` to the generation at hand, in powers of two (`slots_for`).
-#
-# A custom operator removes that price while keeping the shapes fixed. On a CPU in float32,
-# llmlab's `StaticKVCache` calls `llmlab::static_attend`, a C++ kernel registered with PyTorch's
-# dispatcher: the graph sees one call with fixed-shape inputs, and inside it the loop over slots
-# stops at the query's position, which is data the kernel reads, not a shape. It also writes the
-# new K/V in place, where a compiled scatter on a cache that is a graph input is first written
-# into a copy of the cache and then copied back. Your function below is the plain-PyTorch
-# version, which is also that operator's reference in the tests.
+# The price, attending over `max_len` slots whatever the length, is why llmlab sizes `max_len` in
+# powers of two (`slots_for`); on a CPU, its C++ operator `llmlab::static_attend` stops the loop
+# over slots at the query's position, which it reads as data. Your function below is the
+# plain-PyTorch version.
 
 # %% [markdown]
 # ## Build: the static cache's write and read
@@ -202,11 +228,10 @@ display(Markdown(
 # - return `[batch, s, heads, head_dim]`: query i of row b attends to every slot up to its own
 #   position and never to the bin.
 #
-# Nothing in it may depend on the position as a Python value: no `int(...)` or `.item()` of a
-# tensor, no slice whose end comes from the cache's length. The checker tries a small padded
-# case, runs SmolLM2's greedy generation with your cache, then compiles two of SmolLM2's layers
-# around your function with `torch.compile(fullgraph=True)` and decodes 256 positions: same
-# tokens as eager, and no new graph after the first.
+# Nothing in it may depend on the position as a Python value (no `int(...)`, `.item()` or slice
+# ending at the cache's length). The checker tries a padded case, runs SmolLM2's greedy generation
+# with your cache, then compiles two layers around it (`fullgraph=True`) for 256 positions: same
+# tokens as eager, no new graph after the first.
 
 # %%
 def fixed_shape_attend(k_cache, v_cache, slots, q, k, v):
@@ -225,18 +250,13 @@ print(exercises.check("nb11.fixed_shape_attend", fixed_shape_attend))
 # ## Compile the decode step
 #
 # `llmlab.generate(..., compile=True)` runs the prompt eagerly, then every decode step through
-# one graph compiled over a `StaticKVCache` (vLLM's `enforce_eager=False`). The first call of a
-# batch size compiles: that wait is the *cold start* that vLLM's users often report. Inductor
-# keeps what it built on disk, so a second process with the same model and shapes skips most of
-# it. `graphs_compiled()` counts the graphs compiled in this process.
-#
-# Compiling all 30 layers of SmolLM2 takes minutes on a 2-core CPU, so this section compiles a
-# model made of SmolLM2's embedding, its **first 6 layers** and its head (`first_layers`: the
-# same weights, shared). Its graph, its recompiles and its fused kernels are those of the whole
-# model, six times shorter; `python -m llmlab.bench overhead` compiles the whole model.
+# one graph over a `StaticKVCache` (vLLM's `enforce_eager=False`). The first call of a batch size
+# compiles (the *cold start*); Inductor keeps what it built on disk for the next process.
+# Compiling all 30 layers takes minutes on a 2-core CPU, so this section compiles SmolLM2's
+# embedding, **first 6 layers** and head (`first_layers`, the same weights); `python -m
+# llmlab.bench overhead` compiles the whole model.
 
 # %%
-from llmlab.compile import graphs_compiled
 from llmlab.models import first_layers
 
 short = first_layers(model, 6)
@@ -258,88 +278,102 @@ print(f"first compiled generation {first_call_s:.1f} s (compiling included), "
       f"the same again {second_call_s:.2f} s")
 print(f"graphs compiled by the first call: {after_first - before}; by the second: "
       f"{graphs_compiled() - after_first}")
+expect(same and graphs_compiled() == after_first,
+       "the compiled generation giving eager's tokens with no graph after the first call")
 
 # %% [markdown]
-# Now one decode step of the short model, eager and compiled. `make_decode_step(...,
-# compile=True)` runs the step `generate` just compiled (same batch and bucket of slots, so the
-# graph is reused), and `count_ops` sees what still crosses the dispatcher. Inductor generates
-# C++ loops for the elementwise work (norms, RoPE, SiLU, the residual adds) and calls them
-# directly; the matmuls stay operator calls. On a CPU, `compile=True` adds one graph pass of
-# llmlab's (`llmlab.compile._gemv_pass`): a float32 matmul of a few rows against a weight becomes
+# ## Measure: what compiling gained, and what the custom kernel gained
+#
+# On a CPU, `compile=True` does two things. It compiles the step: Inductor generates C++ loops
+# for the elementwise work (norms, RoPE, SiLU, adds), and the matmuls stay operator calls. And
+# llmlab's graph pass (`llmlab/compile.py`) turns each few-row float32 matmul into
 # `llmlab::f32_gemv`, a C kernel that streams the weight once (batch-1 decode is a
-# matrix-*vector* product, which a BLAS tuned for big matrices does not stream at full speed);
-# without a C compiler the pass is off and Inductor calls BLAS's `aten::mm`. The printout names
-# the calls that are left.
+# matrix-*vector* product, which a BLAS tuned for big matrices may stream slower). To credit each,
+# three steps are timed in the same rounds: **eager**; **compiled** with PyTorch's matmuls
+# (`compile=True, gemv=False`); **compiled + f32_gemv**, the step `generate` runs. The batch-8
+# eager step rides along for the roofline.
 
 # %%
-short_eager = {b: step_breakdown(make_decode_step(short, batch=b, context=32), repeats=7)
-               for b in (1, 8)}
-compiled_step_fn = make_decode_step(short, batch=1, context=32, steps=200, compile=True)
-compiled_step_fn()
-new_graphs = graphs_compiled() - after_first
-compiled_br = step_breakdown(compiled_step_fn, repeats=7)
-e1 = short_eager[1]
-print(f"new graphs for this step: {new_graphs}")
-for label, br in (("eager", e1), ("compiled", compiled_br)):
-    print(f"{label:9s} {br.ops.total:4d} operator calls, {br.median_s * 1e3:5.1f} ms per step "
-          f"({br.min_s * 1e3:.1f}–{br.max_s * 1e3:.1f}), {br.outside_s * 1e3:4.1f} ms outside "
-          "the matmuls")
-top = ", ".join(f"{name} ×{n}" for name, n in compiled_br.ops.by_name.most_common(4))
-print(f"the compiled step's most frequent calls: {top}")
+steps = {"eager": make_decode_step(short, batch=1, context=32),
+         "compiled": make_decode_step(short, batch=1, context=32, steps=200, compile=True,
+                                      gemv=False),
+         "compiled + f32_gemv": make_decode_step(short, batch=1, context=32, steps=200,
+                                                 compile=True),
+         "eager, batch 8": make_decode_step(short, batch=8, context=32)}
+for step in steps.values():
+    step()                                   # compiles the graphs (the first one may be cached)
+print(f"graphs compiled for these steps: {graphs_compiled() - after_first}")
+short_br = step_breakdowns(steps, repeats=9, profiled_repeats=5)
+for label, br in short_br.items():
+    print(f"{label:20s} {br.ops.total:4d} operator calls, {br.median_s * 1e3:5.1f} ms per step "
+          f"({br.min_s * 1e3:.1f}–{br.max_s * 1e3:.1f}); matmuls {br.matmul_s * 1e3:4.1f} ms, "
+          f"outside {br.outside_s * 1e3:4.1f} ms")
+for label in ("compiled", "compiled + f32_gemv"):
+    top = ", ".join(f"{n} ×{k}" for n, k in short_br[label].ops.by_name.most_common(3))
+    print(f"{label}: most frequent calls {top}")
+
+# %%
+cost1 = decode_cost(short.config, 1, 32, 4)
+split = CompileSplit(short_br["eager"], short_br["compiled"], short_br["compiled + f32_gemv"],
+                     cost1.bytes)
+display(Markdown(split.markdown()))
 
 # %% [markdown]
-# ## Measure: eager and compiled on the overhead roofline
+# ## The steps on the overhead roofline
 #
-# Each step goes on the plot at its operator count (x) and its measured time (y, median with
-# min–max). The dashed line of each batch is the memory/compute roof alone (from this machine's
-# measured copy bandwidth and matmul peak), the solid line the roof plus ops × t_op. Hollow
-# markers are what the model predicts for each step.
+# x: operator calls; y: measured time (median, min–max). Dashed: the memory/compute roof alone
+# (this machine's copy bandwidth and matmul peak); solid: roof + ops × t_call (the float32 step's
+# own cost per call, above). Hollow markers: the model's prediction per step.
 
 # %%
 ceil = measure_ceilings(copy_bytes=128 * 2**20, matmul_n=1024, repeats=5)
-omodel = OverheadModel.from_ceilings(ceil, t_op)
+omodel = OverheadModel.from_ceilings(ceil, t_call)
+batch_of = {"eager": 1, "compiled": 1, "compiled + f32_gemv": 1, "eager, batch 8": 8}
+points, gaps = [], {}
+for label, br in short_br.items():
+    cost = decode_cost(short.config, batch_of[label], 32, 4)
+    points.append(OverheadPoint(label.replace(", batch 8", ""), batch_of[label], br.ops.total,
+                                cost.bytes, cost.flops, br.median_s, br.min_s, br.max_s))
+    gaps[label] = omodel.gap(br, cost.bytes, cost.flops, label)
 
 
-def point(label, batch, br):
-    cost = decode_cost(short.config, batch, 32, 4)
-    return OverheadPoint(label, batch, br.ops.total, cost.bytes, cost.flops,
-                         br.median_s, br.min_s, br.max_s)
+def signed_ms(seconds: float) -> str:
+    return f"{round(seconds * 1e3, 1) + 0.0:+.1f}"   # + 0.0: no "-0.0"
 
 
-points = [point("eager", 1, short_eager[1]), point("compiled", 1, compiled_br),
-          point("eager", 8, short_eager[8])]
 print(f"copy bandwidth {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-      f"matmul peak {ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, t_op {t_op * 1e6:.2f} µs")
-plot_overhead_roofline(points, omodel, title="SmolLM2's first 6 layers: eager and compiled")
+      f"matmul peak {ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, t_call {t_call * 1e6:.2f} µs")
+for g in gaps.values():
+    print(f"{g.label:20s} measured {g.measured_s * 1e3:5.1f} ms, model {g.modelled_s * 1e3:5.1f} "
+          f"ms: gap {signed_ms(g.gap_s):>5s} = inside the matmuls {signed_ms(g.inside_s):>5s} "
+          f"+ outside {signed_ms(g.outside_s):>5s}")
+plot_overhead_roofline(points, omodel, title="SmolLM2's first 6 layers (model: t_op = t_call)")
 plt.show()
 
 # %%
-pe, pc = points[0], points[1]
-roof1 = omodel.roof_seconds(pe.bytes, pe.flops)
+ge, gg = gaps["eager"], gaps["compiled + f32_gemv"]
+rate = cost1.bytes / short_br["eager"].matmul_s
+spread = max(br.max_s / br.min_s for br in short_br.values())
 display(Markdown(
-    f"At batch 1 the roof alone is {roof1 * 1e3:.1f} ms; eager measured "
-    f"{pe.median_s * 1e3:.1f} ms ({roof1 / pe.median_s:.0%} of the memory roof) and the "
-    f"compiled step {pc.median_s * 1e3:.1f} ms ({roof1 / pc.median_s:.0%}). Compiling removed "
-    f"{pe.ops - pc.ops} of {pe.ops} operator calls ({pe.ops / pc.ops:.1f}× fewer), which the "
-    f"model prices at {(pe.ops - pc.ops) * t_op * 1e3:.1f} ms; the step took "
-    f"{abs(pc.median_s - pe.median_s) * 1e3:.1f} ms {'less' if pc.median_s < pe.median_s else 'more'}. Outside the matmuls it went from "
-    f"{e1.outside_s * 1e3:.1f} to {compiled_br.outside_s * 1e3:.1f} ms; inside them "
-    f"from {e1.matmul_s * 1e3:.1f} ms (`aten::linear`, which calls the BLAS) to "
-    f"{compiled_br.matmul_s * 1e3:.1f} ms"
-    + (" (`llmlab::f32_gemv`, the graph pass's C loop, which reads each thread's weight rows "
-       "as one sequential stream)" if compiled_br.ops.by_name["llmlab::f32_gemv"] else "")
-    + ". "
-    + (f"The compiled step was {pe.median_s / pc.median_s:.2f}× faster." if pc.median_s < pe.median_s
-       else "The compiled step was not faster here: Dynamo checks its guards on the inputs at "
-            "every call, and Inductor's loops use OpenMP threads, which lose most when other "
-            "work holds the cores. Fewer calls pay only when the calls were the cost.")))
+    f"The eager step sits {signed_ms(ge.gap_s)} ms from its model point "
+    f"({ge.modelled_s * 1e3:.1f} ms): {signed_ms(ge.inside_s)} ms of that is inside the "
+    f"matmuls, which read the step's {cost1.bytes / 1e6:.0f} MB at {rate / 1e9:.1f} GB/s where "
+    f"a copy streams {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, and "
+    f"{signed_ms(ge.outside_s)} ms is outside them (the 6-layer step's calls against t_call "
+    f"of the 30-layer one). The compiled + f32_gemv step sits {signed_ms(gg.gap_s)} ms from "
+    f"its model point: {signed_ms(gg.inside_s)} ms inside the matmuls and "
+    f"{signed_ms(gg.outside_s)} ms outside, "
+    + ("where the graph's own loops (Inductor's fused norms, RoPE, SiLU) and its guard checks "
+       "cost time that no operator call counts." if gg.outside_s > 0 else
+       "so its remaining calls and loops cost less than t_call per call.")
+    + (f" These steps' slowest runs took up to {spread:.1f}× their fastest: the machine was "
+       "busy, so rerun the measurement before reading the gaps." if spread > 1.5 else "")))
 
-# %% [markdown]
 # ## Play: batch × mode
 #
 # The widget draws one batch's points on the overhead roofline. `t_op scale` asks *what if each
-# operator call cost less*, for example because a CUDA graph replays the launches: the model's
-# lines move, the measured points do not. At which scale would the eager step reach its roof?
+# operator call cost less* (t_call × scale), for example because a CUDA graph replays the
+# launches: the model's lines move, the measured points do not.
 
 # %%
 import ipywidgets as widgets
@@ -354,19 +388,17 @@ widgets.interactive(play, batch=widgets.Dropdown(options=[1, 8], value=1),
                     t_op_scale=widgets.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.1))
 
 # %% [markdown]
-# The full matrix, float32, int8 and int4 × eager, compiled and compiled + fused at batch 1
-# and 8, with HF transformers and (where `llama_cpp` is installed) llama.cpp on the shipped Q4_1
-# file in the same run, is `python -m llmlab.bench overhead`. Its last measured numbers are in
-# the README's results table, with the machine named.
+# The full matrix (float32, int8, int4 × eager, compiled, compiled + fused, batch 1 and 8, beside
+# HF transformers and llama.cpp where installed) is `python -m llmlab.bench overhead`; its last
+# numbers are in the README's results table, with the machine named.
 
 # %% [markdown]
 # ## Fusion by hand
 #
-# Inductor fuses the small operators automatically. The kernels it cannot write for you are the
-# ones where you change the *computation*: `llmlab.layers.fused.fuse_model` concatenates each
-# layer's q/k/v weights into one matrix (one matmul instead of three) and gate/up into one, then
-# takes the results apart in fused kernels (`llmlab/kernels/fused.py`: `add_rmsnorm`, `swiglu`,
-# `qkv_rope`, in Triton with PyTorch references). Counted eagerly:
+# Inductor fuses the small operators automatically. What it cannot do for you is change the
+# *computation*: `llmlab.layers.fused.fuse_model` concatenates each layer's q/k/v weights into
+# one matrix (one matmul instead of three) and gate/up into one, then takes the results apart in
+# fused kernels (`llmlab/kernels/fused.py`: `add_rmsnorm`, `swiglu`, `qkv_rope`). Counted eagerly:
 
 # %%
 import copy
@@ -384,13 +416,12 @@ print("fused greedy tokens identical to unfused:", gen_fused.token_ids == full_e
 # %% [markdown]
 # ### Stretch: RMSNorm with the residual add, in Triton
 #
-# Between the attention and the MLP a decoder layer computes `h = x + residual`, then
-# `rmsnorm(h) · weight`. Unfused that is an add, a square, a mean, an rsqrt and two multiplies,
-# each reading and writing a row. Write the Triton kernel that does all of it in one pass, one
-# program per row: load a row of `X` and `R`, store `H = X + R`, store
-# `OUT = H / sqrt(mean(H²) + eps) · W`. Rows are `n_cols` long and contiguous; `BLOCK` is the
-# next power of two ≥ `n_cols`, so mask the columns past the row. Without a GPU it runs in
-# Triton's interpreter.
+# Between attention and the MLP a layer computes `h = x + residual`, then `rmsnorm(h) · weight`:
+# unfused, six operators each reading and writing a row. Write the Triton kernel doing it in one
+# pass, one program per row: load a row of `X` and `R`, store `H = X + R`, store
+# `OUT = H / sqrt(mean(H²) + eps) · W`. Rows are `n_cols` long and contiguous; `BLOCK` is the next
+# power of two ≥ `n_cols`, so mask the columns past the row. Without a GPU it runs in Triton's
+# interpreter.
 
 # %%
 from llmlab.device import TRITON_MISSING, has_triton
@@ -413,12 +444,12 @@ else:
 # %% [markdown]
 # ## Predict, explain: CUDA graphs
 #
-# On a GPU the same calls cost more: each eager operator is a Python call *and* a kernel
-# launch, a few microseconds of CPU time, while a GPU streams SmolLM2's 270 MB of bfloat16
-# weights in under 0.1 ms. The model below puts an H100's published roofs (3.35 TB/s of HBM3,
-# 989 TFLOP/s dense bfloat16) beside this machine's t_op and the eager step's operator count:
-# eager, the CPU's launches set the pace whenever they take longer than the kernels; a CUDA
-# graph launches the whole step with one call. It is a model, not a measurement.
+# On a GPU each eager operator is a Python call *and* a kernel launch, while the GPU streams
+# SmolLM2's 270 MB of bfloat16 weights in under 0.1 ms. The model below puts an H100's published
+# roofs (3.35 TB/s, 989 TFLOP/s bfloat16) beside the eager step's calls at the micro-benchmark's
+# t_op, a lower bound on a call's CPU cost (t_call includes small-operator work a GPU would do):
+# eager, launches set the pace when they outlast the kernels; a CUDA graph launches the step with
+# one call. A model, not a measurement.
 
 # %%
 h100 = OverheadModel(bandwidth_bytes_per_s=3.35e12, peak_flops_per_s=989e12, t_op=t_op,
@@ -444,11 +475,14 @@ plt.show()
 if torch.cuda.is_available():
     gpu = llmlab.load_model("smollm2-135m", attention="sdpa", device="cuda", dtype=torch.bfloat16)
     for b in (1, 8):
-        eager_t = step_breakdown(make_decode_step(gpu, batch=b, context=32), repeats=9)
-        graph_t = step_breakdown(make_decode_step(gpu, batch=b, context=32, compile=True),
-                                 repeats=9)
-        print(f"GPU batch {b}: eager {eager_t.median_s * 1e3:.2f} ms, CUDA graph "
-              f"{graph_t.median_s * 1e3:.2f} ms ({eager_t.median_s / graph_t.median_s:.1f}×)")
+        gpu_br = step_breakdowns({
+            "eager": make_decode_step(gpu, batch=b, context=32),
+            "graph": make_decode_step(gpu, batch=b, context=32, compile=True)}, repeats=9)
+        c = compare(gpu_br["eager"].times_s, gpu_br["graph"].times_s, "the eager step",
+                    "the CUDA-graph step")
+        print(f"{torch.cuda.get_device_name()}, batch {b}: eager "
+              f"{gpu_br['eager'].median_s * 1e3:.2f} ms, CUDA graph "
+              f"{gpu_br['graph'].median_s * 1e3:.2f} ms per step: {c.sentence()}")
 else:
     print("no GPU here: the CUDA-graph step is modelled above, not measured "
           "(on a CUDA machine this cell measures it)")
@@ -463,34 +497,37 @@ exercises.check("nb11.explain_cuda_graphs", answer)
 
 # %% [markdown]
 # ## Takeaways
-#
-# - A decode step costs its bytes *and* its calls: about a thousand eager operator calls per
-#   SmolLM2 step, each a few microseconds whatever its size. The overhead roofline adds
-#   ops × t_op to the bytes / bandwidth roof.
-# - The faster the matmuls (quantized weights, a GPU), the larger the share of the calls.
-# - A compiler can remove the calls only if the step keeps one shape: the static KV cache writes
-#   at a tensor of slots and reads all slots under a position mask, so one graph serves every
-#   position. Count recompiles; there should be none after the warm-up.
-# - Fusion changes the computation (one matmul for q/k/v, one pass for add + RMSNorm);
-#   compilation fuses what is left between the matmuls; CUDA graphs remove the launches.
-# - Compiling costs a cold start, kept on disk for the next process.
-#
+
+# %%
+graphs_note = ("measured above" if torch.cuda.is_available() else "modelled here, not measured")
+display(Markdown(
+    f"- A step costs its bytes *and* its calls: {ops.total} eager calls per SmolLM2 step at "
+    f"t_call = {t_call * 1e6:.1f} µs each here (a tiny op in a loop: {t_op * 1e6:.2f} µs), "
+    f"{f32.outside_share:.0%} of the float32 step, {i8.outside_share:.0%} of the int8 one.\n"
+    f"- Credit a compiled step's gain to its causes: {split.takeaway()}.\n"
+    "- A compiler removes calls over fixed shapes: default `torch.compile` marks a growing "
+    "length dynamic after one recompile, but llmlab's static KV cache keeps one graph per batch "
+    "bucket, as CUDA graphs need. Fusion changes the computation; compilation fuses what lies "
+    f"between the matmuls; CUDA graphs remove the launches ({graphs_note})."))
+
+# %% [markdown]
 # ## Further reading
 #
 # - Ansel et al. *PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode
 #   Transformation and Graph Compilation.* ASPLOS 2024.
 #   [doi:10.1145/3620665.3640366](https://doi.org/10.1145/3620665.3640366)
+# - PyTorch. *Dynamic Shapes* (automatic dynamic shapes, `dynamic=None`):
+#   [docs.pytorch.org](https://docs.pytorch.org/docs/stable/torch.compiler_dynamic_shapes.html);
+#   *CUDAGraph Trees*: [docs.pytorch.org](https://docs.pytorch.org/docs/stable/torch.compiler_cudagraph_trees.html)
 # - PyTorch team. *Accelerating Generative AI with PyTorch II: GPT, Fast.* 2023.
-#   [pytorch.org/blog/accelerating-generative-ai-2](https://pytorch.org/blog/accelerating-generative-ai-2/);
+#   [pytorch.org/blog](https://pytorch.org/blog/accelerating-generative-ai-2/);
 #   code: [github.com/pytorch-labs/gpt-fast](https://github.com/pytorch-labs/gpt-fast)
 # - Fang, Yu, Zhao, Zhou. *TurboTransformers: An Efficient GPU Serving System for Transformer
 #   Models.* PPoPP 2021. [arXiv:2010.05680](https://arxiv.org/abs/2010.05680)
-# - NVIDIA FasterTransformer: [github.com/NVIDIA/FasterTransformer](https://github.com/NVIDIA/FasterTransformer)
-# - vLLM: its CUDA-graph manager, [docs.vllm.ai](https://docs.vllm.ai/en/v0.13.0/api/vllm/v1/worker/gpu/cudagraph_utils/);
-#   *vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction*,
-#   [blog.vllm.ai](https://blog.vllm.ai/2024/09/05/perf-update.html)
-# - nano-vllm (CUDA graphs for decode in a small engine): [github.com/GeeeekExplorer/nano-vllm](https://github.com/GeeeekExplorer/nano-vllm)
+# - vLLM's CUDA-graph manager, [docs.vllm.ai](https://docs.vllm.ai/en/v0.13.0/api/vllm/v1/worker/gpu/cudagraph_utils/);
+#   *vLLM v0.6.0*, [blog.vllm.ai](https://blog.vllm.ai/2024/09/05/perf-update.html);
+#   nano-vllm: [github.com/GeeeekExplorer/nano-vllm](https://github.com/GeeeekExplorer/nano-vllm)
 # - NVIDIA. *Getting Started with CUDA Graphs.* 2019.
 #   [developer.nvidia.com/blog/cuda-graphs](https://developer.nvidia.com/blog/cuda-graphs/)
-# - Williams, Waterman, Patterson. *Roofline: An Insightful Visual Performance Model for
-#   Multicore Architectures.* CACM 52(4), 2009. [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
+# - Williams, Waterman, Patterson. *Roofline.* CACM 52(4), 2009.
+#   [doi:10.1145/1498765.1498785](https://doi.org/10.1145/1498765.1498785)
