@@ -11,7 +11,8 @@ import pytest
 
 from llmlab.bench.serve_http import parse_args, request_bodies, sustained_rate
 from llmlab.serve.client import (SSEDecoder, StreamResult, parse_sse, percentile,
-                                 poisson_arrivals, stream_completion, summarize)
+                                 meets_targets, poisson_arrivals, stream_completion,
+                                 summarize)
 from llmlab.traces import load_trace
 
 
@@ -73,6 +74,27 @@ def test_stream_result_times_and_summary():
     assert s["ttft_p50_s"] == pytest.approx(1.25) and s["ttft_p90_s"] == pytest.approx(1.85)
     assert s["throughput_tok_s"] == pytest.approx(7 / 4)
     assert s["goodput_req_s"] == pytest.approx(1 / 4)      # only a met the 1 s target
+
+
+def test_goodput_with_a_tpot_target_counts_requests_meeting_both():
+    """DistServe's goodput: a request counts when its TTFT and its TPOT both meet their
+    targets; without a TPOT target the summary is the TTFT-only one it was."""
+    fast = _result(0.0, [0.2, 0.3, 0.4], 3)         # TTFT 0.2, TPOT 0.1: meets both
+    stutter = _result(0.0, [0.2, 1.2, 2.2], 3)      # TTFT 0.2, TPOT 1.0: misses TPOT
+    late = _result(0.0, [2.0, 2.1, 2.2], 3)         # TTFT 2.0, TPOT 0.1: misses TTFT
+    single = _result(0.0, [0.3], 1)                 # one token: no TPOT, meets any TPOT target
+    lost = _result(0.0, [], 0, ok=False)
+    runs = [fast, stutter, late, single, lost]
+    assert [meets_targets(r, 1.0, 0.5) for r in runs] == [True, False, False, True, False]
+    assert [meets_targets(r, 1.0) for r in runs] == [True, True, False, True, False]
+    both = summarize(runs, wall_s=2.0, ttft_target_s=1.0, tpot_target_s=0.5)
+    assert both["met_targets"] == 2 and both["goodput_req_s"] == pytest.approx(1.0)
+    assert both["slo_attainment"] == pytest.approx(2 / 5)          # of all requests, lost too
+    assert (both["ttft_target_s"], both["tpot_target_s"]) == (1.0, 0.5)
+    ttft_only = summarize(runs, wall_s=2.0, ttft_target_s=1.0)
+    assert ttft_only["met_targets"] == 3 and ttft_only["goodput_req_s"] == pytest.approx(1.5)
+    assert ttft_only["tpot_target_s"] is None
+    assert math.isnan(summarize([], 1.0, 1.0, 0.5)["slo_attainment"])
 
 
 def test_sustained_rate_is_the_largest_rate_within_the_target():

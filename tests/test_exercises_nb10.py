@@ -14,7 +14,8 @@ pytest.importorskip("fastapi")
 from llmlab import exercises  # noqa: E402
 from llmlab.serve.client import parse_sse  # noqa: E402
 from llmlab.serve.process import ServerProcess  # noqa: E402
-from llmlab.viz.http import explore_rate, latencies, plot_gauges, plot_sweep  # noqa: E402
+from llmlab.viz.http import (explore_rate, latencies, plot_gauges, plot_sweep,  # noqa: E402
+                             read_gauges)
 from llmlab.serve.client import StreamResult  # noqa: E402
 
 
@@ -249,3 +250,64 @@ def test_sweep_figure_draws_intervals_and_goodput():
     assert [float(y) for y in fig.axes[2].get_lines()[0].get_ydata()] == [0.5, 1.0]
     assert len(fig.axes[0].collections) >= 2   # one set of error bars per scheduler
     plt.close(fig)
+
+
+def test_sweep_figure_with_a_tpot_target_draws_both_targets_and_goodput():
+    import matplotlib.pyplot as plt
+
+    rows = _rows()
+    for r in rows:
+        r["tpot_p90_s"] = 0.01 * r["rate"]
+        r["tpot_p90_lo"], r["tpot_p90_hi"] = 0.008 * r["rate"], 0.012 * r["rate"]
+        r["goodput_req_s"] = r["rate"] / 4
+    fig = plot_sweep(rows, 1.0, tpot_target_s=0.015)
+    ttft, tpot, _, goodput = fig.axes
+    assert "target 15 ms" in [ln.get_label() for ln in tpot.get_lines()]
+    assert "target 1 s" in [ln.get_label() for ln in ttft.get_lines()]
+    assert len(tpot.collections) >= 2          # error bars on the TPOT p90s
+    assert "TPOT <= 15 ms" in goodput.get_title() and "TTFT <= 1 s" in goodput.get_title()
+    assert [float(y) for y in goodput.get_lines()[0].get_ydata()] == [0.25, 0.5]
+    plt.close(fig)
+
+
+def _gauges(*states):
+    return [(0.1 * i, {"llmlab_requests_running": r, "llmlab_requests_waiting": w,
+                       "llmlab_kv_blocks_used": b}) for i, (r, w, b) in enumerate(states)]
+
+
+def test_read_gauges_finds_the_still_stretches_and_the_drain():
+    """The burst of notebook 10: the gauges stand still through a long packed-prefill step
+    (one request running, fifteen waiting), then every seat is taken; seats freed by
+    finished requests stand free through the next prefill step; then the queue drains."""
+    story = read_gauges(_gauges((0, 0, 0), (1, 15, 7), (1, 15, 7), (1, 15, 7), (1, 15, 7),
+                                (8, 8, 40), (8, 8, 44), (3, 8, 20), (3, 8, 20), (3, 8, 20),
+                                (3, 8, 20), (8, 3, 50), (8, 0, 44), (5, 0, 30), (0, 0, 0)),
+                        seats=8)
+    assert story.first_s == pytest.approx(0.1) and story.full_s == pytest.approx(0.5)
+    assert story.time_to_full_s == pytest.approx(0.4)
+    assert [(round(x.start_s, 6), round(x.duration_s, 6), x.running, x.waiting)
+            for x in story.stretches] == [(0.1, 0.4, 1, 15), (0.7, 0.4, 3, 8)]
+    assert story.queue_empty_s == pytest.approx(1.2) and story.last_s == pytest.approx(1.4)
+    assert (story.peak_running, story.peak_waiting, story.peak_blocks, story.end_blocks) == \
+        (8, 15, 50, 0)
+    assert read_gauges(_gauges((0, 0, 0), (1, 15, 7), (8, 8, 40)), seats=8).stretches == []
+    full_at_once = read_gauges(_gauges((8, 4, 10), (7, 0, 9), (0, 0, 0)), seats=8)
+    assert full_at_once.time_to_full_s == 0 and full_at_once.stretches == []
+    assert full_at_once.queue_empty_s == pytest.approx(0.1) and full_at_once.last_s == 0.2
+    never = read_gauges(_gauges((0, 0, 0), (3, 0, 5), (0, 0, 0)), seats=8)
+    assert never.full_s is None and never.time_to_full_s is None and never.last_s == 0.2
+
+
+def test_predict_load_is_judged_against_the_loads_offered():
+    ex = exercises.get("nb10.predict_capacity")
+    offered = (0.5, 0.75, 1.0, 1.5)
+    assert ex.check(0.6, measured=0.5, offered=offered).passed
+    assert ex.check(0.75, measured=0.5, offered=offered).passed       # up to the first miss
+    v = ex.check(1.0, measured=0.5, offered=offered)
+    assert not v.passed and "0.75x" in v.message and "missed" in v.message
+    assert not ex.check(0.2, measured=0.5, offered=offered).passed
+    assert ex.check(0.3, measured=0.0, offered=offered).passed        # none met: below 0.5
+    assert not ex.check(0.9, measured=0.0, offered=offered).passed
+    assert ex.check(2.5, measured=1.5, offered=offered).passed        # even the top load met
+    v = ex.check(40.0, measured=0.5, offered=offered)
+    assert not v.passed and "not requests per second" in v.message

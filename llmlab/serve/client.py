@@ -9,7 +9,8 @@
 * :func:`stream_completion` — one streamed request over httpx, timed: when it was
   sent, when each chunk of text arrived, how many tokens it got.
 * :func:`percentile` and :func:`summarize` — p50 / p90 / p99 of TTFT, TPOT and
-  end-to-end latency, throughput, and goodput under a TTFT target;
+  end-to-end latency, throughput, and goodput: the requests per second that met a TTFT
+  target and, if one is given, a TPOT target too (DistServe's definition);
   :func:`percentile_interval` — a bootstrap interval for a percentile.
 
 Plain functions with no llmlab imports, so a notebook can import them, or a student
@@ -181,12 +182,28 @@ def percentile_interval(xs: Iterable[float], q: float, level: float = 0.9, n: in
     return percentile(stats, 100 * tail), percentile(stats, 100 * (1 - tail))
 
 
-def summarize(results: list[StreamResult], wall_s: float, ttft_target_s: float) -> dict:
+def meets_targets(result: StreamResult, ttft_target_s: float,
+                  tpot_target_s: float | None = None) -> bool:
+    """Whether one request met its service-level objectives: completed, its TTFT within
+    ``ttft_target_s`` and, when ``tpot_target_s`` is given, its TPOT within that too (a
+    one-token answer has no time per output token and meets any TPOT target)."""
+    if not result.ok or not result.ttft_s <= ttft_target_s:
+        return False
+    return tpot_target_s is None or math.isnan(result.tpot_s) or result.tpot_s <= tpot_target_s
+
+
+def summarize(results: list[StreamResult], wall_s: float, ttft_target_s: float,
+              tpot_target_s: float | None = None) -> dict:
     """Latency percentiles (seconds), throughput and goodput of one load run.
 
-    ``throughput_tok_s``: generated tokens per second of wall time; ``goodput_req_s``:
-    completed requests whose TTFT met ``ttft_target_s``, per second; ``lost``: requests
-    that got no complete answer (an error, or a stream without ``[DONE]``)."""
+    ``throughput_tok_s``: generated tokens per second of wall time; ``lost``: requests
+    that got no complete answer (an error, or a stream without ``[DONE]``).
+
+    ``goodput_req_s``: completed requests that met the targets, per second of wall time;
+    ``met_targets``: how many did; ``slo_attainment``: their share of all requests. With
+    ``tpot_target_s`` a request must meet both the TTFT and the TPOT target (DistServe's
+    definition: Zhong et al., OSDI 2024, https://arxiv.org/abs/2401.09670, which judges a
+    rate by the share of requests meeting both, e.g. 90%); without it, TTFT only."""
     ok = [r for r in results if r.ok]
     out = {"requests": len(results), "completed": len(ok), "lost": len(results) - len(ok),
            "wall_s": wall_s}
@@ -197,8 +214,11 @@ def summarize(results: list[StreamResult], wall_s: float, ttft_target_s: float) 
     tokens = sum(r.completion_tokens for r in ok)
     out["throughput_tok_s"] = tokens / wall_s if wall_s > 0 else math.nan
     out["throughput_req_s"] = len(ok) / wall_s if wall_s > 0 else math.nan
-    good = sum(1 for r in ok if r.ttft_s <= ttft_target_s)
+    good = sum(1 for r in ok if meets_targets(r, ttft_target_s, tpot_target_s))
+    out["met_targets"] = good
+    out["slo_attainment"] = good / len(results) if results else math.nan
     out["goodput_req_s"] = good / wall_s if wall_s > 0 else math.nan
+    out["ttft_target_s"], out["tpot_target_s"] = ttft_target_s, tpot_target_s
     return out
 
 
@@ -227,4 +247,5 @@ def watch_metrics(base_url: str, names: Iterable[str], stop, interval_s: float =
 
 
 __all__ = ["poisson_arrivals", "SSEDecoder", "parse_sse", "StreamResult", "stream_completion",
-           "percentile", "percentile_interval", "summarize", "scrape_metrics", "watch_metrics"]
+           "percentile", "percentile_interval", "meets_targets", "summarize", "scrape_metrics",
+           "watch_metrics"]

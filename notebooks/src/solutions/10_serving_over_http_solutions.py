@@ -85,18 +85,18 @@ async def engine_loop(engine, inbox):
 exercises.check("nb10.engine_loop", engine_loop)
 
 # %% [markdown]
-# ## Predict: the rate the continuous server sustains
+# ## Predict: the largest load the continuous server serves within its targets
 #
-# The burst measured the requests per second the server finishes with its batch full:
-# about (generated tokens per second) / (tokens per request), with each prompt's prefill on
-# top. The rate sustained within a TTFT target is near it (random arrivals bunch up, which
-# costs some); past it, requests queue and the TTFT grows with every arrival. Without a
-# measurement the check compares with a typical 2-core value.
+# The burst measured the requests per second the server finishes with its batch full: about
+# (generated tokens per second) / (tokens per request), with each prompt's prefill on top. A
+# load of 1× that rate keeps the server busy all the time; random arrivals bunch up, so a
+# queue already forms below it, and at 90% attainment of both targets the answer lies under
+# 1×. Past 1× the queue, and the TTFT, grow with every arrival. Without a measurement the check
+# compares with a typical run of the notebook's sweep (0.5× met, 0.75× missed).
 
 # %%
-exercises.check("nb10.predict_capacity", 2.0)
+exercises.check("nb10.predict_capacity", 0.6)
 
-# %% [markdown]
 # ## Explain: static TTFT
 #
 # (a): a static batch is formed once and runs until its last member finishes; whoever arrives
