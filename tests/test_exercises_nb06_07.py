@@ -224,3 +224,24 @@ def test_a_decode_step_account_adds_up_on_two_ranks():
         assert one[0].other_ops <= a.other_ops < 1.25 * one[0].other_ops
         assert a.matmul_s + a.other_s + a.inside_collectives_s == pytest.approx(a.median_s)
         assert len(a.step_s) == len(a.collective_s) == 5 and a.op_overhead_s > 0
+
+
+@pytest.mark.slow
+def test_the_mlp_stack_splits_in_two_and_clocks_arrivals():
+    """mlp_stack_on_ranks: SmolLM2's MLPs at tp = 2 (its heads do not split in two): one
+    all-reduce per layer, the same operator calls as one process, parts that add up, and the
+    time before the other rank arrived within the time inside the all-reduces."""
+    from llmlab.parallel.workers import mlp_stack_on_ranks
+
+    (one,) = launch(mlp_stack_on_ranks, 1, "smollm2-135m", 5, 1, 3)
+    two = launch(mlp_stack_on_ranks, 2, "smollm2-135m", 5, 1, 3)
+    assert one.collectives == 0 and one.arrival_wait_s == [0.0] * 5
+    assert [a.rank for a in two] == [0, 1] and all(a.tp == 2 and a.threads == 1 for a in two)
+    for a in two:
+        assert a.collectives == 30 and a.matmul_ops == one.matmul_ops == 90
+        assert a.other_ops == one.other_ops
+        assert len(a.matmul_runs) == 3 and a.matmul_s == pytest.approx(sorted(a.matmul_runs)[1])
+        assert a.matmul_s + a.other_s + a.inside_collectives_s == pytest.approx(a.median_s)
+        assert len(a.arrival_wait_s) == 5
+        assert all(0 <= w <= c + 1e-6 for w, c in zip(a.arrival_wait_s, a.collective_s))
+

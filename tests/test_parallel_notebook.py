@@ -94,3 +94,14 @@ def test_step_account_parts_and_their_figure():
     plt.close(fig)
     with pytest.raises(ValueError, match="one label per account"):
         plot_step_account(["a"], [one, three])
+    # without an isolated cost, clocked arrivals split the collectives: before / after
+    two = StepAccount(2, 0, 1, [0.05] * 5, [0.03] * 5, 30, 0.012, 390, 90, 1e-6,
+                      [0.012] * 3, [0.01, 0.02, 0.01, 0.01, 0.01])
+    assert two.arrival_wait_median_s == pytest.approx(0.01) and one.arrival_wait_median_s == 0.0
+    fig = plot_step_account(["tp=2"], [two], what="thirty MLPs")
+    ax = fig.axes[0]
+    widths = [p.get_width() for p in ax.patches]
+    assert 10.0 in [pytest.approx(w) for w in widths] and 20.0 in [pytest.approx(w) for w in widths]
+    assert "before the last rank arrived" in " ".join(ax.get_legend_handles_labels()[1])
+    assert ax.get_title().startswith("thirty MLPs")
+    plt.close(fig)

@@ -796,11 +796,11 @@ def _check_valid_degrees(degrees):
     return wrong(f"missing {sorted(set(want) - set(got))}.", "1 (no split) counts too.")
 
 
-# ---- 7. explain: why tp = 3 is slower on this CPU ----------------------------------------------
+# ---- 7. explain: why three ranks on two cores time the scheduler -----------------------------
 
 _SLOWER_CHOICES = {
-    "a": "most of the step is spent inside the 61 all-reduces: each needs all three ranks running "
-         "at once, and three ranks share two cores",
+    "a": "the ranks outnumber the cores: one rank is always off a core, and each all-reduce "
+         "ends only when the last rank arrives",
     "b": "splitting adds arithmetic: each rank multiplies by a third of every matrix, but three "
          "processes together do three times the multiply work of one",
     "c": "the all-reduces move too many bytes: 61 hidden vectors per token use up the memory "
@@ -810,28 +810,28 @@ _SLOWER_CHOICES = {
 }
 
 _SLOWER = {
-    "a": "the account above shows it: a rank's matmuls shrink, its operator calls stay as "
-         "many, and the time inside the collectives is most of the step. An all-reduce ends only when the last rank arrives; with three single-threaded "
-         "ranks on two cores, some rank is often off its core, and every other rank waits for "
-         "it, 61 times per token.",
-    "b": "the account above shows each rank's matmul time well below one process's: a rank "
-         "multiplies by a third of every matrix, so the three together do the same multiplies "
-         "as one process, split three ways.",
+    "a": "an all-reduce ends for everyone only when the last rank arrives. With three "
+         "single-threaded ranks on two cores, at any moment one rank is off its core, and the "
+         "other two wait for the scheduler to run it, 61 times per token: the clock would "
+         "measure those waits, not the split. That is why section 4 times tp = 2, a core per rank.",
+    "b": "each rank multiplies by a third of every matrix, so the three together do the same "
+         "multiplies as one process, split three ways; section 4's account shows a rank's "
+         "matmul time below one process's at tp = 2.",
     "c": "the messages are tiny (one hidden vector, 2,304 B in float32): 61 of them are about "
          "140 KiB per token, nothing for memory or a socket to carry; time, not bytes, is the cost.",
-    "d": "the account above counts the operator calls: a rank makes about as many as one "
-         "process (the same layers, each on smaller matrices), plus 62 collectives.",
+    "d": "a rank makes as many operator calls as one process (the same layers, each on smaller "
+         "matrices): section 4's account counts them at tp = 2.",
 }
 
 
 @exercise("nb07.explain_cpu_slowdown", notebook=NB, kind="explain", solution="a",
-          title="why tp = 3 decodes slower than one process here, with one thread per process",
+          title="why timing tp = 3 on two cores measures the scheduler, not tensor parallelism",
           choices=_SLOWER_CHOICES,
           wrong_variants={"more FLOPs": ("b", ("third",)), "bandwidth": ("c", ("tiny",)),
                           "more operator calls": ("d", ("as many",))})
 def _check_explain_cpu_slowdown(answer):
-    """(a) time inside the all-reduces, ranks sharing cores; (b) more arithmetic; (c) too many
-    bytes; (d) more operator calls per rank."""
+    """(a) more ranks than cores, and an all-reduce waits for the last rank; (b) more
+    arithmetic; (c) too many bytes; (d) more operator calls per rank."""
     return choice_verdict(answer, "a", _SLOWER)
 
 

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, count_collectives
 from .generate import greedy_generate
 from .group import current
-from .loader import load_tp_model
+from ..config import ModelConfig
+from ..models.fetch import resolve
+from .loader import load_tp_model, read_shards
 from .model import parameter_bytes
 
 
@@ -156,6 +159,9 @@ class StepAccount:
     step. ``ops``: operator calls in one step (Python → dispatcher crossings, collectives
     included); ``op_overhead_s``: what one tiny operator costs on this rank, measured while
     the other ranks measure theirs (:func:`llmlab.profiling.overhead.measure_op_overhead`).
+    ``matmul_runs``: the matmul time of each profiled run (``matmul_s`` is their median).
+    ``arrival_wait_s``: per timed step, the part of ``collective_s`` this rank spent before
+    the last rank reached the same call (the ranks' start times compared on one clock).
     """
     tp: int
     rank: int
@@ -167,6 +173,13 @@ class StepAccount:
     ops: int                  # operator calls per step, collectives and matmuls included
     matmul_ops: int
     op_overhead_s: float
+    matmul_runs: list[float] = field(default_factory=list)  # each profiled run's matmul time
+    arrival_wait_s: list[float] = field(default_factory=list)  # per step: before the last rank came
+
+    @property
+    def arrival_wait_median_s(self) -> float:
+        """Median over the steps of the time inside collectives before the last rank arrived."""
+        return _median(self.arrival_wait_s) if self.arrival_wait_s else 0.0
 
     @property
     def median_s(self) -> float:
@@ -196,12 +209,14 @@ def _median(xs: list[float]) -> float:
 
 class _CollectiveClock:
     """Times every ``torch.distributed`` all-reduce and all-gather this process makes (the
-    parallel layers call them through the module, so patching its attributes catches them)."""
+    parallel layers call them through the module, so patching its attributes catches them).
+    ``entered`` holds each call's start (``time.perf_counter``, one clock for every process
+    on the machine), so that the ranks' arrivals can be compared afterwards."""
 
     NAMES = ("all_reduce", "all_gather")
 
     def __init__(self):
-        self.seconds, self.calls, self._saved = 0.0, 0, {}
+        self.seconds, self.calls, self.entered, self._saved = 0.0, 0, [], {}
 
     def __enter__(self):
         for name in self.NAMES:
@@ -210,6 +225,7 @@ class _CollectiveClock:
 
             def timed(*args, _fn=fn, **kwargs):
                 t = time.perf_counter()
+                self.entered.append(t)
                 try:
                     return _fn(*args, **kwargs)
                 finally:
@@ -224,7 +240,54 @@ class _CollectiveClock:
         return False
 
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.entered = 0.0, 0, []
+
+
+def _arrival_waits(entered: list[list[float]]) -> list[float]:
+    """Per step, the time this rank spent in its collectives before the last rank arrived:
+    the sum over calls of (the last rank's start - this rank's start). ``entered``: this
+    rank's call starts, one list per step; every rank passes its own, on every rank."""
+    ranks = _gather(entered)
+    me = current().rank
+    return [sum(max(r[i][j] for r in ranks) - ranks[me][i][j] for j in range(len(ranks[me][i])))
+            for i in range(len(entered))]
+
+
+def _account(step, repeats: int, warmup: int, profiled: int) -> StepAccount:
+    """Time ``step`` on this rank and take it apart (see :func:`decode_account_on_ranks`)."""
+    from ..profiling.overhead import MIN_REPEATS, _count, _matmul_seconds, _profiled
+    from ..profiling.overhead import measure_op_overhead
+
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"repeats={repeats} must be >= {MIN_REPEATS} (a median of at least five)")
+    ctx = current()
+    sync = dist.barrier if ctx.world_size > 1 else (lambda: None)
+    profile_at = {round(i * repeats / profiled) for i in range(profiled)}
+    step_s, coll_s, entered, matmul, counted, calls = [], [], [], [], None, 0
+    with _CollectiveClock() as clock:
+        for i in range(warmup + repeats):
+            sync()
+            clock.reset()
+            t = time.perf_counter()
+            step()
+            step_s.append(time.perf_counter() - t)
+            coll_s.append(clock.seconds)
+            entered.append(list(clock.entered))   # before a profiled run adds to it
+            calls = clock.calls
+            if i - warmup not in profile_at:
+                continue
+            sync()
+            with _profiled() as prof:
+                step()
+            events = prof.events()
+            matmul.append(_matmul_seconds(events, ctx.device.type == "cuda"))
+            counted = counted or _count(events)
+    sync()
+    waits = _arrival_waits(entered[warmup:])
+    t_op = measure_op_overhead(calls=2000, rounds=5, device=ctx.device)
+    return StepAccount(ctx.world_size, ctx.rank, torch.get_num_threads(), step_s[warmup:],
+                       coll_s[warmup:], calls, _median(matmul), counted.total,
+                       sum(counted.matmul.values()), t_op, list(matmul), waits)
 
 
 def decode_account_on_ranks(model_name: str, context: int, repeats: int = 9, warmup: int = 2,
@@ -238,37 +301,53 @@ def decode_account_on_ranks(model_name: str, context: int, repeats: int = 9, war
     previous step's logits all-gather. The ``repeats`` timed steps run unprofiled; the
     ``profiled`` ones (interleaved) give the matmul time and the operator count.
     """
-    from ..profiling.overhead import _count, _matmul_seconds, _profiled, make_decode_step
-    from ..profiling.overhead import MIN_REPEATS, measure_op_overhead
+    from ..profiling.overhead import make_decode_step
 
-    if repeats < MIN_REPEATS:
-        raise ValueError(f"repeats={repeats} must be >= {MIN_REPEATS} (a median of at least five)")
     ctx = current()
     model = load_tp_model(model_name, attention=attention, device=ctx.device, dtype=dtype)
     step = make_decode_step(model, batch=1, context=context, steps=warmup + repeats + profiled + 1)
-    sync = dist.barrier if ctx.world_size > 1 else (lambda: None)
-    profile_at = {round(i * repeats / profiled) for i in range(profiled)}
-    step_s, coll_s, matmul, counted, calls = [], [], [], None, 0
-    with _CollectiveClock() as clock:
-        for i in range(warmup + repeats):
-            sync()
-            clock.reset()
-            t = time.perf_counter()
-            step()
-            step_s.append(time.perf_counter() - t)
-            coll_s.append(clock.seconds)
-            calls = clock.calls
-            if i - warmup not in profile_at:
-                continue
-            sync()
-            with _profiled() as prof:
-                step()
-            events = prof.events()
-            matmul.append(_matmul_seconds(events, ctx.device.type == "cuda"))
-            counted = counted or _count(events)
-    sync()
-    t_op = measure_op_overhead(calls=2000, rounds=5, device=ctx.device)
-    mine = StepAccount(ctx.world_size, ctx.rank, torch.get_num_threads(), step_s[warmup:],
-                       coll_s[warmup:], calls, _median(matmul), counted.total,
-                       sum(counted.matmul.values()), t_op)
-    return _gather(mine)
+    return _gather(_account(step, repeats, warmup, profiled))
+
+
+def mlp_stack_on_ranks(model_name: str, repeats: int = 9, warmup: int = 2, profiled: int = 5,
+                       seed: int = 0) -> list[StepAccount]:
+    """The MLP half of every decoder layer of ``model_name``, for one decode token, split
+    over the ranks by features, timed and taken apart as :func:`decode_account_on_ranks`
+    does. Every rank returns the list of all ranks' :class:`StepAccount`, in rank order.
+
+    Each rank reads only its slices of the checkpoint's ``gate_proj`` and ``up_proj`` (rows:
+    column-parallel) and ``down_proj`` (columns: row-parallel); per layer it computes
+    ``x + down(silu(gate(n)) * up(n))`` with ``n`` the RMS-normed ``x``, and the
+    row-parallel ``down`` ends in one all-reduce of one hidden vector. The MLP features split
+    evenly over any degree dividing them, so this runs where the heads do not split (SmolLM2
+    at tp = 2); attention is left out.
+    """
+    from ..layers.linear import column_parallel_forward, row_parallel_forward
+
+    ctx = current()
+    path = resolve(model_name)
+    cfg = ModelConfig.from_file(path)
+    plan = {}
+    for i in range(cfg.num_layers):
+        plan[f"layers.{i}.post_attention_layernorm.weight"] = None
+        plan[f"layers.{i}.mlp.gate_proj.weight"] = 0
+        plan[f"layers.{i}.mlp.up_proj.weight"] = 0
+        plan[f"layers.{i}.mlp.down_proj.weight"] = 1
+    w, _ = read_shards(path, plan, ctx.rank, ctx.world_size)
+    w = {k: v.to(device=ctx.device, dtype=torch.float32) for k, v in w.items()}
+    x0 = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+    x0 = x0.to(ctx.device)
+    eps = cfg.rms_norm_eps
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        x = x0
+        for i in range(cfg.num_layers):
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            n = n * w[f"layers.{i}.post_attention_layernorm.weight"]
+            h = F.silu(column_parallel_forward(n, w[f"layers.{i}.mlp.gate_proj.weight"]))
+            h = h * column_parallel_forward(n, w[f"layers.{i}.mlp.up_proj.weight"])
+            x = x + row_parallel_forward(h, w[f"layers.{i}.mlp.down_proj.weight"])
+        return x
+
+    return _gather(_account(step, repeats, warmup, profiled))

@@ -136,9 +136,11 @@ def plot_tp_scaling(tp: int = 8, link_GBps: float = A100_NVLINK.link_GBps, batch
     return fig
 
 
-def plot_time_per_token(labels: list[str], step_s: list[list[float]], device: str = ""):
+def plot_time_per_token(labels: list[str], step_s: list[list[float]], device: str = "",
+                        what: str = "SmolLM2-135M decode"):
     """Measured decode time per token: for each configuration the median decode step, with a
-    bar from its fastest to its slowest step (``step_s``: each configuration's step times, s)."""
+    bar from its fastest to its slowest step (``step_s``: each configuration's step times, s).
+    ``what`` names the step in the title."""
     med = np.array([np.median(s) for s in step_s]) * 1e3
     lo = np.array([min(s) for s in step_s]) * 1e3
     hi = np.array([max(s) for s in step_s]) * 1e3
@@ -149,45 +151,57 @@ def plot_time_per_token(labels: list[str], step_s: list[list[float]], device: st
         ax.text(hi[i], i, f" {v:.0f} ms (median of {len(step_s[i])})", va="center", fontsize=8)
     ax.set_xlabel("ms per token (median decode step; bar: fastest to slowest)")
     ax.set_xlim(0, hi.max() * 1.5)
-    ax.set_title(f"SmolLM2-135M decode, measured on {device}", fontsize=9)
+    ax.set_title(f"{what}, measured on {device}" if device else f"{what}, measured", fontsize=9)
     fig.tight_layout()
     return fig
 
 
 def plot_step_account(labels: list[str], accounts: list, allreduce_us: float | None = None,
-                      device: str = ""):
+                      device: str = "", what: str = "One SmolLM2-135M decode step"):
     """One decode step taken apart, one stacked bar per account (``StepAccount`` from
-    :func:`llmlab.parallel.workers.decode_account_on_ranks`): matmuls, the other operators
+    :func:`llmlab.parallel.workers.decode_account_on_ranks` or ``mlp_stack_on_ranks``):
+    matmuls, the other operators
     (Python, dispatcher, small kernels), and the time inside collectives. With
     ``allreduce_us`` (an isolated all-reduce of one hidden vector), the collective time is
-    split into calls × that cost and the rest, spent waiting for the other ranks.
-    The bars add up to each account's median step. Returns the figure."""
+    split into calls × that cost and the rest, spent waiting for the other ranks; without it,
+    accounts that clocked the ranks' arrivals (``arrival_wait_s``) split it into the time
+    before the last rank arrived and the time after.
+    The bars add up to each account's median step; ``what`` names the step in the title.
+    Returns the figure."""
     if len(labels) != len(accounts) or not accounts:
         raise ValueError(f"need one label per account; got {len(labels)} labels, "
                          f"{len(accounts)} accounts")
     fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(accounts) + 2.2), dpi=80)
     y = np.arange(len(accounts))[::-1]
+    arrivals = not allreduce_us and any(getattr(a, "arrival_wait_s", None) for a in accounts)
     parts = []
     for a in accounts:
         coll = a.inside_collectives_s * 1e3
-        at_cost = min(coll, a.collectives * allreduce_us / 1e3) if allreduce_us else coll
-        parts.append([a.matmul_s * 1e3, max(a.other_s, 0.0) * 1e3, at_cost, coll - at_cost])
+        if allreduce_us:
+            own = min(coll, a.collectives * allreduce_us / 1e3)
+        elif arrivals:
+            own = coll - min(coll, a.arrival_wait_median_s * 1e3)
+        else:
+            own = coll
+        parts.append([a.matmul_s * 1e3, max(a.other_s, 0.0) * 1e3, own, coll - own])
     parts = np.array(parts)
     names = ["matmuls", "other operators, Python, dispatch",
-             "collectives: calls × isolated cost" if allreduce_us else "inside collectives",
-             "collectives: waiting for the other ranks"]
+             "collectives: calls × isolated cost" if allreduce_us else
+             "collectives: after every rank arrived" if arrivals else "inside collectives",
+             "collectives: waiting for the other ranks" if allreduce_us else
+             "collectives: before the last rank arrived"]
     colors = ["tab:blue", "tab:orange", "tab:red", "tab:pink"]
     left = np.zeros(len(accounts))
-    for j in range(4 if allreduce_us else 3):
+    for j in range(4 if allreduce_us or arrivals else 3):
         ax.barh(y, parts[:, j], left=left, color=colors[j], label=names[j])
         left += parts[:, j]
     for yi, a, total in zip(y, accounts, left):
         ax.text(total, yi, f" {a.median_s * 1e3:.0f} ms", va="center", fontsize=8)
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlim(0, left.max() * 1.2)
-    ax.set_xlabel("ms per decode step (median; parts as measured)")
-    ax.set_title(f"One SmolLM2-135M decode step, taken apart, measured on {device}"
-                 if device else "One decode step, taken apart", fontsize=9)
+    ax.set_xlabel("ms per step (median; parts as measured)")
+    ax.set_title(f"{what}, taken apart, measured on {device}" if device
+                 else f"{what}, taken apart", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, frameon=False)
     fig.tight_layout()
     return fig

@@ -47,6 +47,7 @@ from llmlab import exercises
 from llmlab.device import describe
 from llmlab.models.registry import model_dir
 from llmlab.profiling import time_interleaved
+from llmlab.profiling.compare import compare, expect
 from llmlab.profiling.roofline import measure_bandwidth, measure_matmul_flops
 
 QUICK = os.environ.get("LLMLAB_QUICK") == "1"
@@ -229,7 +230,7 @@ for name, qm in qmodels.items():
 from IPython.display import Markdown
 
 k = {name: quality[name].kld for name in qmodels}
-assert k["int4 g64"] < k["int4 g192"], "wider 4-bit groups should cost more"
+expect(k["int4 g64"] < k["int4 g192"], "wider 4-bit groups costing more KLD")
 Markdown(
     f"What 4 bits cost: groups of 64 give a KLD of {k['int4 g64']:.1e}, groups of 192 "
     f"{k['int4 g192']:.1e} ({k['int4 g192'] / k['int4 g64']:.1f}× as much, for "
@@ -285,7 +286,7 @@ for label, qm in (("int8 GPTQ", q8_cal), ("int8 round to nearest", qmodels["int8
           f"{kept[label].matched} of {kept[label].lengths}; identical answers "
           f"{kept[label].identical}/{len(prompts)}")
 cal = qeval.compare_logits(model, {"cal": q8_cal}, ids)["cal"]
-assert cal.kld < k["int8"], "GPTQ should lower int8's KLD"
+expect(cal.kld < k["int8"], "GPTQ lowering int8's KLD")
 print(f"KLD over the {len(ids) - 1} evaluation tokens: GPTQ {cal.kld:.1e}, "
       f"round to nearest {k['int8']:.1e} nats/token (top-1 {cal.top1:.1%} and "
       f"{quality['int8'].top1:.1%})")
@@ -349,7 +350,7 @@ for label, qm in (("round to nearest", qmodels["int8"]), ("GPTQ", q8_cal)):
 
 # %%
 (w0, c0, h0), (w1, c1, h1) = errors["round to nearest"], errors["GPTQ"]
-assert w1 > w0 and c1 < h1 * (c0 / h0), "GPTQ should trade weight error for calibration fit"
+expect(w1 > w0 and c1 < h1 * (c0 / h0), "GPTQ trading weight error for calibration fit")
 Markdown(
     f"Read the three columns in order. GPTQ's weights are *further* from the float32 ones than "
     f"round-to-nearest's ({w1 / w0:.2f}× the squared error): it spends weight error where the "
@@ -363,18 +364,22 @@ Markdown(
 # ## Predict, then measure
 #
 # Notebook 02 showed that a batch-1 decode step is memory-bound. But not all of it is reading
-# weights: the next cell splits a float32 step into the matmuls and everything else (norms,
+# weights: the next cell splits a decode step into the matmuls and everything else (norms,
 # RoPE, attention over the cache, and the Python and dispatcher work of launching some 60 small
 # operations per layer), by timing the step once as it is and once with every linear layer
-# replaced by one that returns zeros without reading a weight.
+# replaced by one that returns zeros without reading a weight. It measures float32, int8, int4
+# and fp8 in one interleaved run (5 rounds, each scheme in turn); it prints the float32 split
+# now and the others after your prediction, and every split below is from this one run.
 
 # %%
 from llmlab.bench.quant import llama_cpp_decode_rate, step_breakdown
 
 bandwidth = measure_bandwidth()
-STEPS, REPEATS = (6, 1) if QUICK else (12, 3)
+STEPS, REPEATS = (6, 5) if QUICK else (12, 5)
 prompt32 = ids[:32]
-(fp32_split,) = step_breakdown({"fp32": model}, prompt32, bandwidth, steps=STEPS, repeats=REPEATS)
+timed = {"fp32": model, "int8": q8_cal, "int4": qmodels["int4 g64"], "fp8": qmodels["fp8"]}
+steps = step_breakdown(timed, prompt32, bandwidth, steps=STEPS, repeats=REPEATS)
+fp32_split = steps[0]                                   # the float32 row of the same run
 bytes_ratio = quant.weight_nbytes(model) / quant.weight_nbytes(qmodels["int4 g64"])
 print(f"float32 decode step {fp32_split['step ms']:.1f} ms: {fp32_split['matmuls ms']:.1f} ms in the "
       f"matmuls, {fp32_split['outside matmuls ms']:.1f} ms outside them (median of {REPEATS})")
@@ -389,8 +394,6 @@ my_int4_speedup = ...  # YOUR ANSWER, e.g. 3.0
 
 # %%
 peak = measure_matmul_flops()
-timed = {"fp32": model, "int8": q8_cal, "int4": qmodels["int4 g64"], "fp8": qmodels["fp8"]}
-steps = step_breakdown(timed, prompt32, bandwidth, steps=STEPS, repeats=REPEATS)
 
 
 def prefill_128(m):
@@ -405,8 +408,9 @@ for r in steps:
     print(f"{r['scheme']:5s} decode step {r['step ms']:5.1f} ms ({1000 / r['step ms']:5.1f} tok/s, runs "
           f"{min(r['step ms runs']):.1f}-{max(r['step ms runs']):.1f} ms), prefill "
           f"{128 / p.median_s:4.0f} tok/s")
-measured_speedup = steps[0]["step ms"] / steps[2]["step ms"]
-print(f"int4 decode speedup over fp32: {measured_speedup:.2f}×; the bytes bound is {bytes_ratio:.1f}×")
+int4_vs_fp32 = compare(steps[0]["step ms runs"], steps[2]["step ms runs"], "fp32", "int4")
+measured_speedup = int4_vs_fp32.ratio
+print(f"decode: {int4_vs_fp32.sentence()}; the bytes bound is {bytes_ratio:.1f}×")
 print(f"machine: copy bandwidth {bandwidth / 1e9:.1f} GB/s, float32 matmul {peak / 1e9:.0f} GFLOP/s")
 
 # %%
@@ -438,9 +442,11 @@ for r in steps:
 plot_scheme_roofline(rows, bandwidth, peak)
 plt.title(f"measured on {describe()['device']}", fontsize=9)
 plt.show()
-for r in rows[1:]:
-    print(f"{r['scheme']}: decode {r['decode_tok_s'] / rows[0]['decode_tok_s']:.2f}× fp32, "
-          f"prefill {r['prefill_tok_s'] / rows[0]['prefill_tok_s']:.2f}× fp32")
+for r in steps[1:]:
+    name = r["scheme"]
+    dec = compare(steps[0]["step ms runs"], r["step ms runs"], "fp32", name)
+    pre = compare(prefill["fp32"], prefill[name], "fp32", name)
+    print(f"decode: {dec.sentence()}\nprefill: {pre.sentence()}")
 
 # %% [markdown]
 # Compare the decode and prefill ratios printed above. Weight-only quantization is meant for
@@ -451,7 +457,7 @@ for r in rows[1:]:
 #
 # ## Where the time goes, and what llama.cpp does differently
 #
-# The same split as before the prediction, now for every scheme. llama.cpp, the tool most people
+# The split measured before the prediction, now for every scheme. llama.cpp, the tool most people
 # reach for on a CPU, runs the same Q4_1 file; where the `llama_cpp` package is installed
 # (`pip install llama-cpp-python`), the cell times its decode on the same prompt and draws its
 # whole step as a dashed line.
@@ -519,7 +525,7 @@ widgets.interactive(lambda bits=4, group_size=64: explore_bits_group(grid, bits,
 # %%
 per_row = explore_bits_group(grid, 4, None, bandwidth, draw=False)
 per_64 = explore_bits_group(grid, 4, 64, bandwidth, draw=False)
-assert per_64.kld < per_row.kld
+expect(per_64.kld < per_row.kld, "4-bit groups of 64 beating one step per row")
 print(f"4-bit, one step per row: KLD {per_row.kld:.1e}; groups of 64: {per_64.kld:.1e} "
       f"({per_row.kld / per_64.kld:.0f}× lower) for {(per_64.weight_bytes / per_row.weight_bytes - 1):.0%} "
       "more bytes")
@@ -550,13 +556,28 @@ exercises.check("nb08.q4_1_bytes_per_weight", answer)
 
 # %% [markdown]
 # ## Takeaways
-#
-# - Batch-1 decode is memory-bound, so fewer weight bytes speed it up; prefill is compute-bound and barely moves.
-# - Once the bytes shrink, the rest of the step (Python, small ops, attention) and the kernels' efficiency set the speed: Amdahl's law on the float32 step's split predicts most of the gap to the bytes ratio.
-# - Where the scales sit matters as much as the bits: 4-bit groups along the input dimension beat one step per row by orders of magnitude, and narrower groups cost less; here groups of 32 cost nothing, because the file was already 4-bit in blocks of 32.
-# - Rounding can be smarter than nearest: GPTQ keeps the format and lowers each layer's output error where the inputs look (more on its calibration text than on other text); with equalization it is the int8 to name when you quantize.
-# - Measure quality as llama.cpp does (KLD, top-1, perplexity, greedy tokens) against the float model, on a fixed text.
-#
+
+# %%
+step32, rest32 = fp32_split["step ms"], fp32_split["outside matmuls ms"]
+amdahl = step32 / (rest32 + (step32 - rest32) / bytes_ratio)   # only the matmuls shrink
+Markdown(
+    "- Batch-1 decode is memory-bound, so fewer weight bytes speed it up; prefill is "
+    "compute-bound and barely moves.\n"
+    "- Once the bytes shrink, the rest of the step (Python, small ops, attention) and the "
+    f"kernels' efficiency set the speed: int4 reads {bytes_ratio:.1f}× fewer bytes, Amdahl's law "
+    f"on the float32 step's split predicts {amdahl:.1f}×, and the run measured "
+    f"{measured_speedup:.2f}×.\n"
+    "- Where the scales sit matters as much as the bits: 4-bit groups of 64 along the input "
+    f"dimension gave {per_row.kld / per_64.kld:.0f}× less KLD than one step per row, for "
+    f"{per_64.weight_bytes / per_row.weight_bytes - 1:.0%} more bytes, and narrower groups cost "
+    "less; here groups of 32 cost nothing, because the file was already 4-bit in blocks of 32.\n"
+    "- Rounding can be smarter than nearest: GPTQ keeps the format and lowers each layer's "
+    "output error where the inputs look (more on its calibration text than on other text); with "
+    "equalization it is the int8 to name when you quantize.\n"
+    "- Measure quality as llama.cpp does (KLD, top-1, perplexity, greedy tokens) against the "
+    "float model, on a fixed text.")
+
+# %% [markdown]
 # ## Further reading
 #
 # - Dettmers, Lewis, Belkada, Zettlemoyer. *LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale.* NeurIPS 2022. [arXiv:2208.07339](https://arxiv.org/abs/2208.07339)

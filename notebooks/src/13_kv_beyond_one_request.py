@@ -42,7 +42,8 @@ from llmlab.cache.block_manager import BlockManager
 from llmlab.cache.radix import RadixCache
 from llmlab.device import describe
 from llmlab.engine.sessions import Session, Turn, run_sessions, sessions_of
-from llmlab.profiling.steps import fit_step_cost
+from llmlab.profiling.compare import compare, fit_linear
+from llmlab.profiling.steps import StepCost, fit_step_cost, prompt_token_cost, step_arrays
 from llmlab.traces import load_trace
 from llmlab.viz.prefix import explore_prefix_cache, plot_session_runs, sweep_policies, tree_text
 
@@ -207,6 +208,9 @@ fig = plot_session_runs(runs, title=f"SmolLM2, {len(few)} conversations × 3 tur
                         f"{describe()['device']}")
 plt.show()
 none, hsh, rdx = runs["no cache"], runs["hash"], runs["radix"]
+ttfts = {name: [t.ttft_s for t in r.turns] for name, r in runs.items()}
+vs_none = compare(ttfts["no cache"], ttfts["radix"], "no cache", "the radix tree")
+vs_hash = compare(ttfts["hash"], ttfts["radix"], "the hash cache", "the radix tree")
 display(Markdown(
     f"In this run the radix tree computed **{rdx.computed_share:.0%}** of the prompt tokens it "
     f"was sent and the hash cache {hsh.computed_share:.0%} (no cache: {none.computed_share:.0%}). "
@@ -216,7 +220,9 @@ display(Markdown(
        else f"the radix tree did not have the lowest p90 here. It computed "
             f"{hsh.computed_prompt_tokens - rdx.computed_prompt_tokens} fewer prompt tokens than "
             f"the hash cache, about {(hsh.computed_prompt_tokens - rdx.computed_prompt_tokens) / len(rdx.turns):.0f} "
-            f"per turn, and a p90 over {len(rdx.turns)} turns is one of its slowest turns.")))
+            f"per turn, and a p90 over {len(rdx.turns)} turns is one of its slowest turns.")
+    + f" By the median TTFT of the {len(rdx.turns)} turns, {vs_none.sentence()}; against the "
+      f"hash cache, {vs_hash.sentence()}."))
 
 # %%
 print(exercises.check("nb13.predict_computed_share", predicted, measured=rdx.computed_share))
@@ -232,23 +238,57 @@ print(exercises.check("nb13.predict_computed_share", predicted, measured=rdx.com
 #
 # The whole trace with five engines takes minutes on this CPU (`python -m llmlab.bench prefix`
 # measures it; `--trace multiturn_long`, 40 sessions and 157 turns, puts enough turns under
-# each TTFT percentile to compare the tails). Here the engine's real scheduler and block manager serve the whole trace on a
-# **step-cost model** fitted to the three runs above. The hit rates and token counts are the
-# real cache's; the times are the model's.
+# each TTFT percentile to compare the tails). Here the engine's real scheduler and block
+# manager serve the whole trace on a **step-cost model** fitted to the three runs above. The
+# hit rates and token counts are the real cache's; the times are the model's.
+#
+# The model: a decode step costs a line through the median step at each number of decoding
+# sequences the runs had, and a prompt token adds the median of what prompt tokens added to
+# the steps that fed them (`llmlab.profiling.steps.prompt_token_cost`). Medians, so that a
+# few steps slowed by other programs on the machine do not move it. A model holds only where
+# it was fitted: a decode step reads the weights once however many sequences it carries, and
+# the line through a few sequences says nothing about many. So the simulated engine runs at
+# most as many sequences at once as the runs above had. The whole trace's longer turns can
+# feed more prompt tokens per step than the runs did; there the per-token cost is used beyond
+# its range.
 
 # %%
-cost = fit_step_cost([r.step_stats for r in runs.values()])
+import numpy as np
+
+stats = [r.step_stats for r in runs.values()]
+step_ms, step_rows, step_prompt = step_arrays(stats)
+decoding = (step_prompt == 0) & (step_rows > 0)
+counts = sorted({int(n) for n in step_rows[decoding]})
+max_rows = int(step_rows.max())
+if len(counts) >= 2:
+    medians = [float(np.median(step_ms[decoding & (step_rows == n)])) for n in counts]
+    line = fit_linear(counts, medians)
+    per_token = prompt_token_cost(stats, StepCost(line.a, line.b, 0.0, 0, 0.0))
+    cost = StepCost(line.a, line.b, per_token, len(step_ms), 0.0)
+    rms = float(np.sqrt(np.mean([(cost.predict_ms(n, t) - m) ** 2
+                                 for m, n, t in zip(step_ms, step_rows, step_prompt)])))
+    cost = StepCost(line.a, line.b, per_token, len(step_ms), rms)
+else:                        # one batch size only: the least-squares fit over every step
+    cost = fit_step_cost(stats)
 print(f"step-cost model: {cost.fixed_ms:.1f} ms + {cost.per_row_ms:.2f} ms per decoding "
       f"sequence + {cost.per_prompt_token_ms:.3f} ms per prompt token "
-      f"(fitted on {cost.num_steps} steps, rms {cost.rms_ms:.1f} ms)")
-tight = sweep_policies(sessions, cost, num_blocks=48)
+      f"(over {cost.num_steps} steps, rms {cost.rms_ms:.1f} ms)")
+print(f"range: {min(counts, default=0)}-{max_rows} decoding sequences and up to "
+      f"{int(step_prompt.max())} prompt tokens per step")
+for n in counts:
+    pure = decoding & (step_rows == n)
+    print(f"  decode steps of {n} sequence{'s' * (n > 1)}: measured median "
+          f"{np.median(step_ms[pure]):5.1f} ms over {int(pure.sum())} steps, the model "
+          f"{cost.predict_ms(n, 0):5.1f} ms")
+tight = sweep_policies(sessions, cost, num_blocks=48, max_num_seqs=max_rows)
 for name, r in tight.items():
     print(f"{name:20s} hit rate {r.hit_rate:4.0%}, computes {r.computed_share:4.0%} of "
           f"{r.prompt_tokens} prompt tokens, TTFT p50 {r.ttft(0.5) * 1e3:5.0f} ms, "
           f"p90 {r.ttft(0.9) * 1e3:5.0f} ms (model), preempted {r.num_preemptions}")
 ra, hs, rf = tight["radix + cache-aware"], tight["hash"], tight["radix"]
 display(Markdown(
-    f"On this model of the machine, with 48 blocks, radix + cache-aware admission computes "
+    f"On this model of the machine, with 48 blocks and at most {max_rows} sequences at once, "
+    f"radix + cache-aware admission computes "
     f"{ra.computed_share:.0%} of the prompt tokens (hash: {hs.computed_share:.0%}, radix first "
     f"come first served: {rf.computed_share:.0%}), and its TTFT p90 is "
     f"{ra.ttft(0.9) * 1e3:.0f} ms against the hash cache's {hs.ttft(0.9) * 1e3:.0f} ms: "
@@ -264,7 +304,7 @@ display(Markdown(
 
 # %%
 def play_prefix(num_blocks, policy):
-    explore_prefix_cache(sessions, cost, num_blocks, policy)
+    explore_prefix_cache(sessions, cost, num_blocks, policy, max_num_seqs=max_rows)
     plt.show()
 
 
@@ -471,21 +511,34 @@ plot_split_occupancy(cases, num_sms=132, blocks_per_sm=build.blocks_per_sm)
 plt.show()
 
 # %%
-picked = {}
+picked, waves = {}, {}
 for label, (batch, kvh, ctx) in cases.items():
     s = choose_num_splits(batch * kvh, -(-ctx // 64), 132, build.blocks_per_sm)
     one, best = (split_occupancy(batch, kvh, ctx, n, 132, build.blocks_per_sm) for n in (1, s))
     picked[label] = (s, one.step_time / best.step_time)
+    waves[label] = (one.waves, best.waves)
     print(f"{label:26s} {s:4d} splits: slots busy {one.sm_busy:5.1%} -> {best.sm_busy:5.1%}, "
-          f"modeled step {one.step_time / best.step_time:5.1f}x faster")
-most = max(picked, key=lambda k: picked[k][1])
-least = min(picked, key=lambda k: picked[k][1])
+          f"waves {one.waves} -> {best.waves}, modeled step {one.step_time / best.step_time:5.1f}x faster")
+
+
+def extreme(pick):
+    """Every case at the highest (or lowest) speed-up as printed: a tie names them all."""
+    x = pick(round(v, 1) for _, v in picked.values())
+    ks = [k for k, (_, v) in picked.items() if round(v, 1) == x]
+    if len(ks) == 1:
+        return ks[0]
+    alike = len({(picked[k][0], waves[k]) for k in ks}) == 1
+    return (" and ".join(ks) + f", tied at {x:.1f}×"
+            + (f" (the same {picked[ks[0]][0]} splits and the same waves, split or not, so the "
+               "model gives them equally long steps)" if alike else ""))
+
+
 display(Markdown(
     "In this model, " + "; ".join(f"{k} takes {s} split{'s' * (s > 1)} "
                                   f"({x:.1f}× the unsplit step's speed)"
                                   for k, (s, x) in picked.items())
-    + f". Splitting pays most for {most} and least for {least}: what it fixes is a grid with "
-    "fewer programs than the chip has slots."))
+    + f". Splitting pays most for {extreme(max)}, and least for {extreme(min)}: what it fixes "
+    "is a grid with fewer programs than the chip has slots."))
 
 # %% [markdown]
 # ### How: a window with attention sinks
