@@ -246,6 +246,7 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # | 05 | continuous batching | static padded batches → iteration-level scheduling | 04 |
 # | 06 | mixture of experts | dense MLP → routed experts; dense / loop / grouped dispatch | 02 |
 # | 07 | tensor parallelism | one process → Megatron-style sharding over torch.distributed | 02 |
+# | 07b | tensor parallelism at scale (optional) | bfloat16 bytes per token, the degrees a 70B model allows, a labelled 8-GPU scaling model, sequence-parallel RMSNorm | 07 |
 # | 08 | quantization | float32 weights → int8 / int4 / Q4_1 / fp8 weights; quality (KLD) and decode speed | 02 |
 # | 09 | speculative decoding | one token per forward → k drafted tokens verified in one forward | 02 |
 # | 10 | serving over HTTP | one Python process → an OpenAI-compatible server under Poisson load | 04, 05 |
