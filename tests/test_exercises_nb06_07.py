@@ -138,7 +138,7 @@ def test_checkers_answer_the_wrong_form_clearly():
     assert not v.passed and "bool tensor" in v.message
     v = exercises.check("nb06.predict_drops", "lots")
     assert not v.passed and "percentage" in v.message
-    assert "not yet" in str(exercises.check("nb07.explain_cpu_slowdown", "e"))
+    assert "not yet" in str(exercises.check("nb07.predict_what_shrinks", "e"))
 
 
 def test_a_placeholder_is_told_not_yet_without_starting_processes(monkeypatch):
@@ -245,3 +245,59 @@ def test_the_mlp_stack_splits_in_two_and_clocks_arrivals():
         assert len(a.arrival_wait_s) == 5
         assert all(0 <= w <= c + 1e-6 for w, c in zip(a.arrival_wait_s, a.collective_s))
 
+
+# -- notebook 07 within its hour, and its appendix 07b -------------------------------------------
+
+def test_the_shrink_prediction_is_judged_against_the_run():
+    """The right letter follows the run: the matmuls' timed comparison and the counted calls."""
+    from llmlab.profiling import compare
+
+    faster = compare([22e-3, 22.4e-3, 22.2e-3, 22.1e-3], [12e-3, 12.2e-3, 11.9e-3, 12.1e-3])
+    tie = compare([22e-3, 22.4e-3, 22.2e-3], [22.3e-3, 22.1e-3, 22.2e-3])
+    check = lambda a, **kw: exercises.check("nb07.predict_what_shrinks", a, **kw)  # noqa: E731
+    assert check("b", matmuls=faster, calls=(360, 360)).passed
+    v = check("a", matmuls=faster, calls=(360, 360))
+    assert not v.passed and "360 operator calls" in v.message and "(b)" in v.message
+    assert check("d", matmuls=tie, calls=(360, 360)).passed      # a run whose matmuls tie
+    assert not check("b", matmuls=tie, calls=(360, 360)).passed
+
+
+def test_notebook_07_is_an_hour_and_07b_holds_the_rest():
+    """A core notebook: at most 2,500 words of prose and 6 exercises. 07b sorts right after 07
+    (build.py's prefix "07" builds both), has its solutions, runs alone without the model's
+    weights, and holds the bfloat16 bytes, the 70B degrees and the sequence-parallel stretch."""
+    from pathlib import Path
+
+    from .test_exercises_nb04 import _prose_words_and_checks
+
+    src_dir = Path(__file__).resolve().parents[1] / "notebooks" / "src"
+    core, appendix = src_dir / "07_tensor_parallelism.py", src_dir / "07b_tensor_parallelism_at_scale.py"
+    words, checks = _prose_words_and_checks(core)
+    assert words <= 2500 and len(checks) <= 6, (words, sorted(checks))
+    names = sorted(p.name for p in src_dir.glob("[0-9]*.py"))
+    assert names.index(appendix.name) == names.index(core.name) + 1
+    assert (src_dir / "solutions" / f"{appendix.stem}_solutions.py").exists()
+    in_b = {n for n in exercises.names("07") if exercises.get(n).notebook == appendix.stem}
+    assert in_b == {"nb07.allreduce_bytes", "nb07.valid_degrees", "nb07.sequence_parallel_norm"}
+    assert all(exercises.get(n).kind != "build" or exercises.get(n).stretch for n in in_b)
+    _, checks_b = _prose_words_and_checks(appendix)
+    assert checks_b == in_b and not checks & in_b
+    in_core = {n for n in exercises.names("07") if exercises.get(n).notebook == core.stem}
+    assert checks == in_core
+    text = core.read_text()   # the prediction is committed before the tp = 2 run
+    assert text.index('exercises.ask("nb07.predict_what_shrinks")') < text.index("launch(run_sequence, 2")
+    text_b = appendix.read_text()
+    assert "load_model" not in text_b and "import os" not in text_b   # no weights, no QUICK
+
+
+def test_no_option_of_the_shrink_prediction_is_on_screen_before_it():
+    """The three cells before the question state none of its options' content."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "07_tensor_parallelism.py"
+    cells = re.split(r"(?m)^(?=# %%)", src.read_text())
+    i = next(i for i, c in enumerate(cells) if 'exercises.ask("nb07.predict_what_shrinks")' in c)
+    before = "".join(cells[i - 3:i]).lower()
+    for words in ("as many", "halve", "same number", "no faster", "operator calls"):
+        assert words not in before.split("**exercise (predict, then measure).**")[0], words

@@ -13,8 +13,9 @@
 # decoder layer sharded by rank, attention heads and MLP features, run on real processes) →
 # **Check** (tp = 3 gives tp = 1's logits and tokens, and sends the messages the accounting
 # predicts) → **Measure** (a core per rank: SmolLM2's MLPs at tp = 2 against one process,
-# taken apart into matmuls, other operators and all-reduces) → **Play** (a scaling model for a
-# 70B model on 8 GPUs) → exercises.
+# taken apart into matmuls, other operators and all-reduces). The appendix, notebook 07b, takes
+# the split to GPUs: bytes per token in bfloat16, the degrees a 70B model allows, a scaling
+# model for 8 GPUs, and sequence parallelism.
 
 # %%
 import os
@@ -290,9 +291,10 @@ print(f"accounting: {acct.allreduces_per_layer} per layer x {cfg.num_layers} lay
 #
 # The tp = 3 run above checks the answer and counts the messages; it is not a clock. This
 # machine has two cores, and three ranks on two cores would time the operating system's
-# scheduler, not tensor parallelism (the exercise after this section asks why). A timed
-# comparison needs a core per rank and the same threads on both sides: one process with one
-# thread against **tp = 2**, two processes with one thread each.
+# scheduler, not tensor parallelism: an all-reduce ends only when the last rank arrives, and one
+# of three ranks is always waiting for a core. A timed comparison needs a core per rank and the
+# same threads on both sides: one process with one thread against **tp = 2**, two processes with
+# one thread each.
 #
 # SmolLM2's 9 query heads do not split in two, but its MLPs do (1,536 features each), so the
 # timed step is the MLP half of all 30 layers for one decode token, with SmolLM2's own weights
@@ -310,6 +312,18 @@ for tp in (1, 2):
     print(f"  tp={tp}: each rank reads {mlp_params * 4 / tp / 2**20:5.1f} MiB of MLP weights "
           f"(float32) and makes {cfg.num_layers if tp > 1 else 0} all-reduces of "
           f"{cfg.hidden_size * 4:,} B per step")
+
+# %% [markdown]
+# **Exercise (predict, then measure).** Each rank of tp = 2 holds half of every MLP matrix and
+# has a core of its own. Against one process, what happens to the time a rank spends inside
+# the matrix multiplies, and to the number of operator calls its step makes (the all-reduces
+# not counted)? Commit a letter before the run.
+
+# %%
+exercises.ask("nb07.predict_what_shrinks")
+
+# %%
+my_shrink_prediction = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 
 # %% [markdown]
 # Each side runs the step 9 times after a warm-up, each step after a barrier, and clocks the time
@@ -403,6 +417,10 @@ fig = plot_step_account(["tp=1", *[f"tp=2, rank {a.rank}" for a in mlp2]], [m1, 
                         device=device_name(), what="SmolLM2-135M's 30 MLPs, one decode token")
 
 # %%
+exercises.check("nb07.predict_what_shrinks", my_shrink_prediction, matmuls=mm_cmp,
+                calls=(m1.matmul_ops + m1.other_ops, m2.matmul_ops + m2.other_ops))
+
+# %%
 saved = (m1.matmul_s - m2.matmul_s) * 1e3
 slow_inside = after / m2.collectives * 1e3 > 1.5 * hidden["us"] or waiting > 0.25 * coll
 why = ("Both parts are this machine's, not tensor parallelism's: a rank waiting for a message in "
@@ -423,18 +441,6 @@ Markdown(
     f"of matmuls and paid {coll:.1f} ms of all-reduces, so {step_cmp.sentence()}.")
 
 # %% [markdown]
-# **Exercise (explain).** The timed comparison used tp = 2, a core per rank. Why would timing
-# tp = 3 on a two-core machine measure the operating system's scheduler rather than tensor
-# parallelism?
-
-# %%
-exercises.ask("nb07.explain_cpu_slowdown")
-
-# %%
-my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
-exercises.check("nb07.explain_cpu_slowdown", my_choice)
-
-# %% [markdown]
 # **What two cores can and cannot show.** They show the mechanism for real: three processes,
 # a real process group, each holding a third of the weights, the same logits and tokens, and
 # the exact number and size of the messages; with a core per rank, they show what the split
@@ -444,77 +450,13 @@ exercises.check("nb07.explain_cpu_slowdown", my_choice)
 # when an all-reduce costs little against the work it splits (a fast link, and no waiting).
 
 # %% [markdown]
-# ## 5 · Play: a scaling model for a 70B model on 8 GPUs
-#
-# This is a **model**, not a measurement (`llmlab.parallel.comm.tp_decode_model`). One decode
-# step at batch 1 reads each rank's share of the weights and KV cache at HBM bandwidth (A100
-# 80GB: 2039 GB/s; compute at 312 TFLOP/s is far from the limit) and then waits for
-# 2 × 80 + 1 ring all-reduces of one hidden vector (16 KiB in bf16) plus the logits all-gather
-# over the interconnect (NVLink 3: 300 GB/s each way; PCIe 4.0: about 25 GB/s), with an
-# assumed 2 µs per ring hop. Splitting divides the memory time by tp; the all-reduces do not
-# shrink, and at batch 1 they are mostly latency. Move the sliders: tp degree and link bandwidth.
-
-# %%
-import ipywidgets as widgets
-
-from llmlab.parallel.comm import A100_NVLINK
-from llmlab.viz.tp import plot_tp_scaling
-
-fig = plot_tp_scaling(tp=8, link_GBps=300.0)
-
-# %%
-widgets.interactive(plot_tp_scaling, tp=widgets.SelectionSlider(options=[1, 2, 4, 8], value=8),
-                    link_GBps=widgets.FloatLogSlider(value=300, base=10, min=0.5, max=3, step=0.1,
-                                                     description="link GB/s"),
-                    batch=widgets.IntSlider(value=1, min=1, max=256, description="batch"),
-                    context=widgets.fixed(1024), hw=widgets.fixed(A100_NVLINK),
-                    config=widgets.fixed(LLAMA2_70B))
+# **On GPUs.** Notebook 07b, the appendix, runs without the model and in seconds: the bytes a token
+# all-reduces in bfloat16, the degrees Llama-2-70B's heads allow, a scaling model for 70B on 8
+# GPUs (tp degree, link bandwidth and batch on sliders), and sequence parallelism's
+# reduce-scatter as a stretch.
 
 # %% [markdown]
-# ## 6 · More exercises
-#
-# **Bytes per token (compute).** How many bytes are all-reduced per generated token when
-# SmolLM2-135M runs at tp = 3 in **bfloat16**? Count message sizes (not ring traffic).
-
-# %%
-allreduce_bytes = ...  # YOUR ANSWER: a number of bytes
-exercises.check("nb07.allreduce_bytes", allreduce_bytes)
-
-# %% [markdown]
-# **Valid degrees (compute).** Which tensor-parallel degrees does this workbook accept for
-# Llama-2-70B (64 query heads, 8 KV heads, MLP 28672, vocabulary 32000)? Every rank needs whole
-# query heads, whole KV heads, and equal MLP and vocabulary slices.
-
-# %%
-llama70b_degrees = ...  # YOUR ANSWER: a list of ints
-exercises.check("nb07.valid_degrees", llama70b_degrees)
-
-# %% [markdown]
-# **Stretch: sequence-parallel RMSNorm.** Between a row-parallel layer and the next
-# column-parallel one sit the residual add and RMSNorm, and with plain tensor parallelism every
-# rank repeats them on the whole sequence. *Sequence parallelism* (Korthikanti et al., 2023)
-# splits that region along the sequence instead: the all-reduce after the row layer becomes a
-# **reduce-scatter** (sum over the ranks, and rank r keeps only the r-th block of tokens), the
-# norm runs on seq/tp tokens per rank, and an all-gather before the next column layer restores
-# the full sequence. An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes
-# on the wire are the same; the norm's work and activations shrink tp times.
-#
-# Write `sequence_parallel_norm(partial, weight, eps)`: `partial` [seq, hidden] is this rank's
-# partial sum out of a row-parallel layer; return this rank's seq/tp tokens of
-# RMSNorm(sum of all ranks' partials), [seq/tp, hidden]. RMSNorm(x) = x / √(mean(x²) + eps) ·
-# weight, over the hidden dimension. `dist.reduce_scatter(output, list_of_tp_chunks)` is the
-# collective. The check runs it on two processes.
-
-# %%
-def sequence_parallel_norm(partial, weight, eps):
-    # YOUR CODE HERE
-    raise NotImplementedError
-
-
-exercises.check("nb07.sequence_parallel_norm", sequence_parallel_norm)
-
-# %% [markdown]
-# ## 7 · Takeaways
+# ## 5 · Takeaways
 #
 # * Split column-then-row and a decoder layer needs exactly two all-reduces of one hidden vector per token; the answer is unchanged up to summation order (here < 1e-4 in float32).
 # * Each rank holds and reads 1/tp of the weights, which is what makes a 70B model fit without quantization and, because decode is memory-bound, what makes it faster: on GPUs with a fast link.
@@ -524,8 +466,6 @@ exercises.check("nb07.sequence_parallel_norm", sequence_parallel_norm)
 #
 # - Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro. *Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism.* 2019. [arXiv:1909.08053](https://arxiv.org/abs/1909.08053) (the column/row split, the f and g operators)
 # - Narayanan et al. *Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM.* SC 2021. [arXiv:2104.04473](https://arxiv.org/abs/2104.04473) (tensor, pipeline and data parallelism together)
-# - Korthikanti et al. *Reducing Activation Recomputation in Large Transformer Models* (sequence parallelism). MLSys 2023. [arXiv:2205.05198](https://arxiv.org/abs/2205.05198)
 # - Patarasuk, Yuan. *Bandwidth Optimal All-reduce Algorithms for Clusters of Workstations* (ring all-reduce). JPDC 69(2), 2009. [doi:10.1016/j.jpdc.2008.09.002](https://doi.org/10.1016/j.jpdc.2008.09.002)
 # - Pope et al. *Efficiently Scaling Transformer Inference.* MLSys 2023. [arXiv:2211.05102](https://arxiv.org/abs/2211.05102) (partitioning for inference, communication costs)
 # - PyTorch distributed: [torch.distributed](https://pytorch.org/docs/stable/distributed.html)
-# - NVIDIA A100 product page (bandwidth, memory, peak FLOP/s): [A100](https://www.nvidia.com/en-us/data-center/a100/)
