@@ -2,6 +2,7 @@
 backend adapter, the cache skeleton's bookkeeping, the diagnoses, and that a check leaves
 the model and the registries as it found them, even when the student's code fails."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,42 @@ def test_step_ratio_uses_medians_of_the_windows():
     times[4:] = [t + 5.0 for t in times[4:]]                     # (shifts every later arrival)
     early, late, ratio = nb02._step_ratio(times, 3)
     assert early == pytest.approx(0.1) and late == pytest.approx(0.1) and ratio == pytest.approx(1.0)
+
+
+# -- notebook 02 within its hour ----------------------------------------------------------------
+
+def test_notebook_02_is_an_hour_and_checks_what_it_registers():
+    """At most 2,500 words of prose and 6 exercises, each one the registry holds for 02."""
+    from .test_exercises_nb04 import _prose_words_and_checks
+
+    src = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "02_kv_cache_and_roofline.py"
+    words, checks = _prose_words_and_checks(src)
+    assert words <= 2500 and len(checks) <= 6, (words, sorted(checks))
+    assert checks == set(exercises.names("02"))
+
+
+def test_the_intensity_prediction_names_the_usual_miscounts():
+    from llmlab.profiling.roofline import decode_cost
+
+    want = decode_cost(nb02._smollm2_config(), 1, 128).intensity
+    assert 0.45 < want < 0.55
+    check = lambda a: exercises.check("nb02.predict_decode_intensity", a, measured=want)  # noqa: E731
+    assert check(0.5).passed and check(want).passed
+    for answer, words in ((2, "4 bytes"), (1, "bfloat16"), (0.25, "two FLOPs"), (39, "prefill")):
+        v = check(answer)
+        assert not v.passed and words in v.message, (answer, v.message)
+    src = (Path(__file__).resolve().parents[1] / "notebooks" / "src"
+           / "02_kv_cache_and_roofline.py").read_text()
+    # the question comes before the cell that prints the model's intensity
+    assert src.index('exercises.check("nb02.predict_decode_intensity"') < src.index(
+        "decode step, batch 1: {decode_intensity:.2f}")
+
+
+def test_no_intensity_is_on_screen_before_the_prediction():
+    import re
+
+    src = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "02_kv_cache_and_roofline.py"
+    cells = re.split(r"(?m)^(?=# %%)", src.read_text())
+    i = next(i for i, c in enumerate(cells) if "my_intensity = ..." in c)
+    before = "".join(cells[i - 3:i])
+    assert ".intensity" not in before and "0.5" not in before and "2 FLOPs" not in before

@@ -283,7 +283,7 @@ for label, tot in totals.items():
           f"{fit_exponent(t_axis[window], passes[label][window]):.2f} "
           f"(fits over T = {T // 2}…{T})")
 print(f"the cache makes the whole generation {totals['no cache'][-1] / totals['KV cache'][-1]:.1f}× "
-      f"faster at T = {T}")
+      f"faster at T = {T} (sums of the step medians)")
 
 # %% [markdown]
 # Read the fits: without the cache each step's time grows with the sequence, so the total grows
@@ -338,20 +338,22 @@ ceil = measure_ceilings(copy_bytes=128 * 2**20, matmul_n=1024, repeats=5)
 print(f"{ceil.device}: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
       f"matmul {ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, ridge point {ceil.ridge_point:.1f} FLOP/byte")
 
+# %% [markdown]
+# **Predict, then count.** Before the model's numbers are printed below: how many FLOPs per byte
+# does a decode step at batch 1 do in float32, with 128 cached tokens? Nearly all the bytes it
+# moves are SmolLM2's weights. Commit a number.
+
+# %%
+my_intensity = ...  # YOUR ANSWER: FLOPs per byte
+
+# %%
+decode_intensity = decode_cost(cfg, 1, 128).intensity
+exercises.check("nb02.predict_decode_intensity", my_intensity, measured=decode_intensity)
+
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"modelled intensity, float32: prefill of 128 tokens {prefill_cost(cfg, 1, 128).intensity:.0f}"
-      f" FLOP/byte; decode step, batch 1: {decode_cost(cfg, 1, 128).intensity:.2f} FLOP/byte")
-
-# %% [markdown]
-# **Explain.** The modelled decode step above sits near 0.5 FLOP/byte, the prefill far to the right.
-
-# %%
-exercises.ask("nb02.explain_decode_intensity")
-
-# %%
-answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
-exercises.check("nb02.explain_decode_intensity", answer)
+      f" FLOP/byte; decode step, batch 1: {decode_intensity:.2f} FLOP/byte")
 
 # %% [markdown]
 # **Predict, then measure.** A decode step at batch 16 feeds 16 tokens instead of 1 (each with 128
@@ -384,8 +386,12 @@ longer = next(n for n in range(1, 4097) if prefill_cost(cfg, 1, n).intensity >= 
 print(f"ridge point {ceil.ridge_point:.1f} FLOP/byte: the 64-token prefill sits "
       f"{'right' if points[0].intensity >= ceil.ridge_point else 'left'} of it; a prefill is "
       f"past it from {longer} prompt tokens on (model)")
-ratio = decodes[batches[-1]].median_s / decodes[1].median_s
-print(f"decode step, batch {batches[-1]} / batch 1: {ratio:.2f}× the time for {batches[-1]}× the tokens")
+from llmlab.profiling import compare
+
+batch_cmp = compare(decodes[1], decodes[batches[-1]], "batch 1", f"batch {batches[-1]}",
+                    quantity="step time")
+ratio = 1 / batch_cmp.ratio
+print(f"decode step: {batch_cmp.sentence()}, for {batches[-1]}× the tokens")
 exercises.check("nb02.predict_batch_decode", my_prediction, measured=ratio)
 
 # %% [markdown]
@@ -401,7 +407,7 @@ exercises.check("nb02.predict_batch_decode", my_prediction, measured=ratio)
 # %%
 import statistics
 
-from llmlab.profiling import compare, fit_linear
+from llmlab.profiling import fit_linear
 from llmlab.profiling.flops import weight_bytes
 from llmlab.viz.roofline import matmul_row_times, plot_batch_sweep
 
@@ -492,15 +498,7 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# **1.** How many bytes of KV cache does one token take in Llama-2-7B in float16 (32 layers, 32 KV
-# heads, head_dim 128)? By hand: what does each layer store per token?
-
-# %%
-answer = ...  # YOUR ANSWER: an int, bytes per token
-exercises.check("nb02.kv_bytes_7b", answer)
-
-# %% [markdown]
-# **2.** On a machine whose ridge point is 10 FLOP/byte, what is the smallest batch size at which a
+# **1.** On a machine whose ridge point is 10 FLOP/byte, what is the smallest batch size at which a
 # SmolLM2 decode step with 512 cached tokens (float32) becomes compute-bound? *Hint:*
 # `llmlab.profiling.roofline.decode_cost(cfg, batch, 512).intensity`, in a loop. Compare with the
 # naive guess "intensity ≈ batch / 2".
@@ -510,7 +508,7 @@ answer = ...  # YOUR ANSWER: an int, the smallest batch size
 exercises.check("nb02.compute_bound_batch", answer)
 
 # %% [markdown]
-# **3. Stretch: a cache for a left-padded batch.** Extend your cache so `begin(num_new,
+# **2. Stretch: a cache for a left-padded batch.** Extend your cache so `begin(num_new,
 # attention_mask)` accepts a `[batch, num_new]` mask (1 for real tokens, 0 for left padding):
 # remember which slots are padding, return positions that count real tokens only (a padded row's
 # first real token is position 0), and let `attend` hide the padding keys

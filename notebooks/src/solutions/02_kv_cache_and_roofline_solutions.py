@@ -72,21 +72,23 @@ def decode_loop(model, prompt_ids, max_new_tokens, cache_cls):
 exercises.check("nb02.decode_loop", decode_loop, cache_cls=MyKVCache)
 
 # %% [markdown]
-# ## Explain and predict
+# ## Predict: intensity, then batch
 #
-# A `[1, 576] × [576, 1536]` product reads each 4-byte weight once for one multiply-add: 0.5
-# FLOP/byte. At batch 16 the same weights are read once for 16 tokens, so the step costs far less
-# than 16 batch-1 steps. (Without the notebook's measurement passed in, the check measures it.)
+# A `[1, 576] × [576, 1536]` product reads each 4-byte weight once and does one multiply and one
+# add with it: 2 FLOPs per 4 bytes, 0.5 FLOP/byte (the notebook passes the model's value; without
+# it the check computes it). At batch 16 the same weights are read once for 16 tokens, so the
+# step costs far less than 16 batch-1 steps. (Without the notebook's measurement passed in, the
+# check measures it.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb02.explain_decode_intensity", "a")
+exercises.check("nb02.predict_decode_intensity", 2 / 4)
 
 # %%
 exercises.check("nb02.predict_batch_decode", "c")
 
 # %% [markdown]
-# ## Exercises 1–2
+# ## Exercise 1
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -94,10 +96,7 @@ from llmlab.config import ModelConfig
 from llmlab.models.registry import model_dir
 from llmlab.profiling.roofline import decode_cost
 
-# 1. 2 (K and V) · 32 layers · 32 KV heads · 128 dims · 2 bytes
-print(exercises.check("nb02.kv_bytes_7b", 2 * 32 * 32 * 128 * 2))
-
-# 2. walk up the batch sizes until the decode step's intensity reaches the ridge point
+# walk up the batch sizes until the decode step's intensity reaches the ridge point
 cfg = ModelConfig.from_file(model_dir("smollm2-135m"))
 batch = next(b for b in range(1, 4097) if decode_cost(cfg, b, 512).intensity >= 10.0)
 print("smallest compute-bound batch:", batch, "(the naive batch/2 guess says 20)")
