@@ -43,7 +43,7 @@ SLOW_CHECKERS = {"nb02.kv_cache", "nb04.block_allocator", "nb07.tensor_parallel_
                  "nb11.fixed_shape_attend", "nb11.predict_outside_share",
                  "nb07.tensor_parallel_block", "nb02.decode_loop", "nb04.paged_attention",
                  "nb04.append_slot", "nb09.speculative_step", "nb10.engine_loop",
-                 "nb13.lse_merge", "nb13.sinks_attention", "nb13.radix_tree",
+                 "nb14.lse_merge", "nb14.sinks_attention", "nb13.radix_tree",
                  "nb13.predict_computed_share", "nb12.token_table"}
 
 

@@ -1,4 +1,4 @@
-"""Notebook 13's long-context figures and the sinks sweep's helpers (no SmolLM2 runs)."""
+"""Notebook 14's long-context figures and the sinks sweep's helpers (no SmolLM2 runs)."""
 import matplotlib
 
 matplotlib.use("Agg")

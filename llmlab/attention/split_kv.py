@@ -29,7 +29,7 @@ Backends (with-KV-cache form, see :mod:`llmlab.attention.paged`):
     S from :func:`choose_num_splits` for the device (1 in the interpreter, where there are
     no SMs to fill, unless ``num_splits`` is given).
 
-Taught in notebook 13.
+Taught in notebook 14.
 """
 from __future__ import annotations
 

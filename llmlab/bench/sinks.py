@@ -8,7 +8,7 @@ The text is ``data/text/calibration_prose.md`` followed by ``data/text/memory_hi
 (both written for this workbook). Every configuration is scored on the same predictions:
 those after the largest ``sinks + window`` of the sweep, where every windowed cache has
 started to evict. Prints the table and writes the sweep (perplexities and the loss along
-the text in bins) that notebook 13's widget reads (with ``--gpu``: on CUDA in bfloat16, to
+the text in bins) that notebook 14's widget reads (with ``--gpu``: on CUDA in bfloat16, to
 ``$LLMLAB_RESULTS`` and not over the committed CPU sweep unless ``--out`` says so). A
 measurement, not a test.
 """

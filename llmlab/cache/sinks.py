@@ -24,7 +24,7 @@ Layout, per layer: K (un-rotated) and V ``[batch, kv_heads, kept, head_dim]`` wi
 ``kept <= sinks + window`` between steps; ``kept_index [kept]`` holds each kept token's
 index in the text (the same in every layer and row). All rows of a batch are one length
 (no padding). :func:`streaming_perplexity` runs a model over a long text through it.
-Taught in notebook 13.
+Taught in notebook 14.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ precision); offsets into the pool in int64, so a pool may exceed 2^31 elements. 
 kernel gives one program all of a sequence's keys, so a long context with few sequences
 uses few programs; :func:`paged_attention_split` splits the keys too (flash-decoding:
 partial outputs with their log-sum-exp, merged exactly by a second kernel). Taught in
-notebook 04; the split in notebook 13.
+notebook 04; the split in notebook 14.
 """
 from __future__ import annotations
 

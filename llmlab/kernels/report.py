@@ -571,7 +571,7 @@ WIDGET_TILES = {
     "flash": {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128),
               "head_dim": (64, 128, 256), "num_warps": (4, 8)},
     "paged": {"block_size": (1, 2, 4, 8, 16, 32, 64, 128, 256), "head_dim": (64,)},
-    "paged_split": {"block_size": (16,), "head_dim": (64, 128)},     # notebook 13's model
+    "paged_split": {"block_size": (16,), "head_dim": (64, 128)},     # notebook 14's model
     "moe": {"block_m": (16, 32, 64, 128), "block_n": (64, 128, 256), "block_k": (32, 64)},
 }
 WIDGET_DTYPES = ("bf16", "fp16")

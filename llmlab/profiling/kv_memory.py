@@ -13,7 +13,7 @@ Per token and layer, with ``n_h`` query heads of dimension ``d_h``, ``n_g`` KV h
 times the layers. A sliding window of ``w`` tokens plus ``s`` sinks (StreamingLLM,
 arXiv:2309.17453; Mistral 7B's window, arXiv:2310.06825) caps the cache at ``s + w``
 tokens whatever the context, so per token of a context of n it costs
-``min(n, s + w) / n`` of the above. Taught in notebook 13.
+``min(n, s + w) / n`` of the above. Taught in notebook 14.
 """
 from __future__ import annotations
 

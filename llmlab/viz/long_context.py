@@ -1,4 +1,4 @@
-"""Figures for notebook 13's long contexts: split-KV decode on a modeled H100, and SmolLM2's
+"""Figures for notebook 14's long contexts: split-KV decode on a modeled H100, and SmolLM2's
 perplexity with a sliding window, with and without attention sinks.
 
 ``plot_split_occupancy`` draws :func:`llmlab.attention.split_kv.split_occupancy` against

@@ -252,7 +252,8 @@ exercises.check("nb00.top_p_filter", top_p_filter)
 # | 10 | serving over HTTP | one Python process → an OpenAI-compatible server under Poisson load | 04, 05 |
 # | 11 | overhead, fusion and compilation | eager operator calls → a static KV cache and a compiled decode step | 02, 08 |
 # | 12 | structured outputs | free sampling → a grammar turned into a mask over the tokens | 00 |
-# | 13 | KV beyond one request | one request's cache → a radix prefix cache, split-KV decode, attention sinks | 03, 04 |
+# | 13 | caching across requests | one request's cache → a radix prefix cache over the pool, cache-aware admission | 04, 05 |
+# | 14 | long context | one program per sequence → split-KV decode with a log-sum-exp merge; a full cache → a window with attention sinks | 03, 04 |
 #
 # ## Takeaways
 #
