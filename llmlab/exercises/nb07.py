@@ -852,8 +852,8 @@ def _check_predict_what_shrinks(answer, matmuls=None, calls: tuple[int, int] | N
                    f"the matmul time did not fall on this run{measured}: the two ranks read "
                    "memory no faster together than one process alone")
     why = (f"{matmul_part[:1].upper() + matmul_part[1:]}; {_calls_sentence(calls)}. Splitting "
-           "shrinks each operator, not their number, and adds the all-reduces: at small "
-           "matrices that is why tp can lose.")
+           "shrinks each operator, not their number, and adds the all-reduces: with small "
+           "matrices, that is why tp can lose.")
     if letter == right_choice:
         return right(f"({letter}) {_SHRINK_CHOICES[letter]}. {why}")
     return wrong(f"you chose ({letter}); on this run it is ({right_choice}). {why}",
