@@ -102,18 +102,24 @@ def _check_predict_temperature(answer, p_at_1: float | None = None,
 # ---- explain: dequantized Q4_1 weights ----------------------------------------------------------
 
 _WEIGHTS_CHOICES = {
-    "a": "our logits match the hub's bfloat16 checkpoint up to float rounding (~1e-3)",
-    "b": "the model runs faster here, because its weights are stored in 4 bits",
-    "c": "a reference must load these same weights, not the hub's checkpoint",
-    "d": "keeping them in float32 adds a second rounding on top of the 4-bit one",
+    "a": "llmlab's decoder has a bug: two correct implementations of one architecture give the "
+         "same greedy tokens",
+    "b": "bfloat16's rounding explains it: the hub's checkpoint cast to float32 would give "
+         "llmlab's tokens",
+    "c": "nothing about llmlab yet: the two runs use different weights, so the oracle must load "
+         "ours",
+    "d": "llmlab's float32 copy rounds the 4-bit values a second time, and that second rounding "
+         "is the gap",
 }
 _WEIGHTS_EXPLANATIONS = {
-    "a": "the linear weights went through 4-bit Q4_1 quantization (32 weights share one "
-         "scale and minimum), which moves them by far more than float rounding; the hub's "
-         "bfloat16 logits differ from ours by that quantization error.",
-    "b": "the weights were dequantized once, at conversion, and llmlab computes in float32; "
-         "nothing runs in 4 bits here, so the file's format buys no speed (notebook 08 is "
-         "where quantized weights are computed with).",
+    "a": "the two runs are not the same model: llmlab's weights are the hub's after a 4-bit Q4_1 "
+         "round trip, so the logits differ by the quantization error, and greedy decoding picks "
+         "another token wherever two were close. A bug shows only against a reference that "
+         "loads the same weights.",
+    "b": "bfloat16 keeps about 3 significant digits, moving a weight by under 0.4%; Q4_1 puts "
+         "each block of 32 weights on 16 levels between its minimum and maximum, an error of "
+         "up to half a step, far larger. Cast to float32, the hub's checkpoint still lacks that "
+         "rounding.",
     "c": "our float32 weights are exactly the dequantized Q4_1 values, so llmlab is compared "
          "with HF transformers loading these same weights (they agree to ~1e-5), while the "
          "hub's bfloat16 checkpoint gives slightly different logits and can pick other "
@@ -124,10 +130,12 @@ _WEIGHTS_EXPLANATIONS = {
 
 
 @exercise("nb00.explain_weights", notebook=NOTEBOOK, kind="explain",
-          title="explain: what do dequantized Q4_1 weights imply when comparing with the hub?",
+          title="explain: suppose the hub's bfloat16 SmolLM2, run in transformers, and llmlab "
+                "part ways after a dozen greedy tokens on one prompt. What does that tell you?",
           solution="c", choices=_WEIGHTS_CHOICES,
-          wrong_variants={"same as the hub": ("a", ("quantization",)),
-                          "4-bit speed": ("b", ("float32",))})
+          wrong_variants={"a bug": ("a", ("same weights",)),
+                          "bfloat16 rounding": ("b", ("16 levels",)),
+                          "a second rounding": ("d", ("exactly",))})
 def _check_explain_weights(answer, **_):
     return choice_verdict(answer, "c", _WEIGHTS_EXPLANATIONS)
 

@@ -536,37 +536,45 @@ def _check_predict_peak_memory(answer, measured: float | None = None) -> object:
 
 
 LOOP_CHOICES = {
-    "a": "It does fewer FLOPs: the tiles above the diagonal are never computed.",
-    "b": "It stops K and V from being re-read from HBM for every block of queries.",
-    "c": "Query blocks become independent programs that each own their rows of O.",
-    "d": "Triton cannot express a loop order that has the K and V blocks in the outer loop.",
+    "a": "It moves fewer HBM bytes than FlashAttention-1 at every SRAM size, so no kernel can "
+         "lose by it.",
+    "b": "Each query block becomes a program of its own, so one long prompt fills the GPU's "
+         "SMs even at batch 1.",
+    "c": "It can skip the tiles above the causal diagonal, which the K/V-outer order must "
+         "compute.",
+    "d": "The online softmax needs every score of a query row in one program, and only the "
+         "query-outer order keeps them together.",
 }
 
 _LOOP_EXPLANATIONS = {
-    "a": "No: the loop order does not change the arithmetic. Both orders compute every "
-         "visible Br×Bc tile once and skip the same tiles above the diagonal; the FLOPs are "
-         "the same.",
-    "b": "No: in FlashAttention-2's order K and V are re-read once per query block, "
-         "Θ(N²·d/Br) bytes; FlashAttention-1's order re-reads Q and O instead, Θ(N²·d/Bc). "
-         "Neither order removes the N²·d term.",
-    "c": "Yes. With the outer loop over query blocks, each query block is an independent "
+    "a": "No: the SRAM plot above says otherwise. FlashAttention-1's traffic falls as 1/M, "
+         "and from 128 KiB up (164 and 228 KiB included) its curve lies below the Br = 128 "
+         "line, which does not move with M. On bytes alone, a large SRAM favours "
+         "FlashAttention-1's order.",
+    "b": "Yes. With the outer loop over query blocks, each query block is an independent "
          "program, so the GPU has (N/Br)·batch·heads of them to spread over its SMs even when "
          "batch × heads is small (long sequences); each program owns its rows of O, so the "
          "partial output never goes back to HBM for a read-modify-write between key blocks; "
          "and the division by ℓ happens once at the end instead of after every key block.",
-    "d": "No: Triton (and CUDA) can express either loop order; FlashAttention-1 itself was "
-         "written in CUDA with the outer loop over K/V blocks.",
+    "c": "No: both orders can skip the same tiles. A tile is masked when all its keys come "
+         "after all its queries, whichever loop is outside, so a K/V-outer loop skips it as "
+         "easily (it starts each key block's query loop at the diagonal); the FLOPs are the "
+         "same.",
+    "d": "No: the online softmax is what lets a row be processed one key block at a time, in "
+         "either order. FlashAttention-1 keeps each row's m and ℓ in HBM and rescales that "
+         "row of O there after every key block: it works, at the price of a read-modify-write "
+         "of O per key block.",
 }
 
 
 @exercise("nb03.explain_loop_order", notebook=NB, kind="explain",
           title="explain: why did FlashAttention-2 put the query blocks in the outer loop?",
-          solution="c", choices=LOOP_CHOICES,
-          wrong_variants={"fewer FLOPs": ("a", ("FLOPs",)),
-                          "no re-reads": ("b", ("Θ(N²·d/Br)",)),
-                          "Triton": ("d", ("either loop order",))})
+          solution="b", choices=LOOP_CHOICES,
+          wrong_variants={"fewer bytes at every M": ("a", ("228 KiB",)),
+                          "only it skips masked tiles": ("c", ("both orders",)),
+                          "online softmax needs the row": ("d", ("one key block at a time",))})
 def _check_explain_loop_order(answer) -> object:
-    return choice_verdict(answer, "c", _LOOP_EXPLANATIONS)
+    return choice_verdict(answer, "b", _LOOP_EXPLANATIONS)
 
 
 BREAK_EVEN_N, BREAK_EVEN_D = 4096, 128

@@ -6,7 +6,8 @@
   greedy tokens against the same format computed by the checker.
 - ``nb08.predict_int4_speedup`` (predict): batch-1 decode speedup of int4 over float32,
   from the float32 step's split (Amdahl's law), then compared with the measurement.
-- ``nb08.explain_group_size`` (explain): why smaller groups lower the 4-bit error.
+- ``nb08.predict_kld_order`` (predict): four formats (8 bits per row; 4 bits in groups of 32, of
+  64, per row) ordered by the KLD they cost, against the notebook's sweep.
 - ``nb08.q4_1_bytes_per_weight`` (compute, stretch): the storage cost of GGUF's Q4_1.
 
 The student's pair ``(group_quantize, group_matmul)``:
@@ -428,35 +429,72 @@ def _check_predict_int4_speedup(answer, fp32_step_ms: float | None = None,
                  "second shrinks with the bytes.")
 
 
-# ---- explain: group size ----------------------------------------------------------------
+# ---- predict: the order of four settings by KLD --------------------------------------------
 
-_GROUP_CHOICES = {
-    "a": "smaller groups store fewer bits per weight in all",
-    "b": "rounding to nearest is exact only inside a small group",
-    "c": "the matmul adds its products in a more exact order",
-    "d": "a group's step follows its own range: a large weight coarsens only its group",
-}
-_GROUP_EXPLANATIONS = {
-    "a": "smaller groups store more steps and minimums, so they cost more bits per weight, "
-         "not fewer (the sweep's bytes column).",
-    "b": "rounding to nearest works for any group size, with an error of at most half a step; "
-         "the step is what the group size changes.",
-    "c": "the order of the additions changes the result by float32 rounding, about 1e-7 of "
-         "it, far below the quantization error.",
-    "d": "the step is (max - min) / 15 over the group: one large weight stretches the step of "
-         "its group's neighbours only, not of the 576 or 1,536 inputs of its row (LLM.int8() "
-         "found such outliers concentrated in a few feature dimensions).",
-}
+KLD_SETTINGS = {"a": (8, None), "b": (4, 32), "c": (4, 64), "d": (4, None)}
+# one recorded run of the notebook's sweep (KLD against float32), for a check without a run
+REFERENCE_KLD = {(8, None): 3.9e-3, (4, 32): 0.0, (4, 64): 0.36, (4, None): 1.5}
 
 
-@exercise("nb08.explain_group_size", notebook=NB, kind="explain",
-          title="explain: why does 4-bit with groups of 64 lose far less than 4-bit with one "
-                "step per row?",
-          solution="d", choices=_GROUP_CHOICES,
-          wrong_variants={"fewer bits": ("a", ("more bits",)),
-                          "rounding": ("b", ("any group size",))})
-def _check_explain_group_size(answer) -> object:
-    return choice_verdict(answer, "d", _GROUP_EXPLANATIONS)
+def _setting(letter: str) -> str:
+    bits, g = KLD_SETTINGS[letter]
+    return f"({letter}) {bits} bits, " + ("one step per row" if g is None else f"groups of {g}")
+
+
+def _pair_lesson(low: str, high: str) -> str:
+    """Why setting ``low`` loses less than ``high`` (letters of KLD_SETTINGS)."""
+    pair = {low, high}
+    if "b" in pair:
+        return ("groups of 32 along the input are the file's own Q4_1 blocks: the weights "
+                "already lie on a 16-level grid per block, so 4 bits in those blocks recover "
+                "them exactly (Check (1)'s round trip); no other setting sits on that grid")
+    if pair == {"a", "d"}:
+        return ("both have one step per row, and 8 bits give 256 levels across its range where "
+                "4 bits give 16: a step 17 times finer")
+    if pair == {"a", "c"}:
+        return ("8 bits give 256 levels across a row's range, 4 bits 16 across a group's: a "
+                "step 17 times finer, far more than groups of 64 gain over a whole row")
+    return ("a group's step is its range / 15: one large weight in a row of 576 or 1,536 inputs "
+            "stretches the step of the whole row, but in groups of 64 only that of its 63 "
+            "neighbours")
+
+
+@exercise("nb08.predict_kld_order", notebook=NB, kind="predict",
+          title="predict: order four weight formats by the KLD they cost SmolLM2",
+          solution="bacd",
+          wrong_variants={"more bits first": ("abcd", ("own Q4_1 blocks",)),
+                          "groups beat bits": ("bcad", ("256 levels",)),
+                          "row beats groups": ("badc", ("stretches the step",))})
+def _check_predict_kld_order(answer, grid: dict | None = None) -> object:
+    """``answer``: the four letters of KLD_SETTINGS, lowest KLD first. ``grid``: the sweep's
+    {(bits, group): {"kld": ...}} (or {(bits, group): kld}); without it a recorded run. Two
+    settings whose KLDs are within 10% of each other may come in either order."""
+    letters = "".join(str(answer).lower().split()).replace(",", "").replace("<", "")
+    if isinstance(answer, bool) or sorted(letters) != sorted(KLD_SETTINGS):
+        return wrong(f"answer the four letters a, b, c, d once each, lowest KLD first; got "
+                     f"{answer!r}.", 'e.g. "dcba"')
+    kld = {}
+    for letter, key in KLD_SETTINGS.items():
+        v = (grid or REFERENCE_KLD)[key]
+        kld[letter] = float(v["kld"] if isinstance(v, dict) else v)
+    measured = "".join(sorted(KLD_SETTINGS, key=kld.get))
+    table = ", ".join(f"({x}) {kld[x]:.1e}" for x in measured)
+    # the pairs the answer puts the wrong way round, beyond a 10% tie
+    swapped = [(lo, hi) for i, lo in enumerate(measured) for hi in measured[i + 1:]
+               if letters.index(hi) < letters.index(lo) and kld[hi] > 1.1 * kld[lo] + 1e-9]
+    if not swapped:
+        return right(f"{letters}: the measured KLDs, lowest first, are {table}. "
+                     + " ".join(f"{_setting(lo)} below {_setting(hi)}: {_pair_lesson(lo, hi)}."
+                                for lo, hi in zip(measured, measured[1:])))
+    by_lesson: dict[str, list[str]] = {}
+    for lo, hi in swapped:
+        by_lesson.setdefault(_pair_lesson(lo, hi), []).append(
+            f"{_setting(lo)} loses less than {_setting(hi)}")
+    lessons = "; ".join(f"{' and '.join(pairs)}: {lesson}" for lesson, pairs in by_lesson.items())
+    return wrong(f"{letters} puts {len(swapped)} pair(s) the wrong way round. Measured, lowest "
+                 f"first: {table}. {lessons}.",
+                 "for each pair ask what sets the step between two neighbouring levels, and "
+                 "whether the weights already sit on some grid.")
 
 
 # ---- compute (stretch): Q4_1's bytes per weight ---------------------------------------------

@@ -12,7 +12,8 @@
   that spoils one token of the target's answer per step, and prompt lookup), counts its
   forwards, reads the cache length after every step and compares the tokens with plain
   greedy decoding; llmlab's own speculative functions raise meanwhile.
-- ``nb09.explain_batching`` (explain): why batching erodes the gain.
+- ``nb09.predict_batching_breakeven`` (predict): the smallest batch at which the roofline
+  model of speculation is slower than plain decoding, against the notebook's run of the model.
 - ``nb09.explain_early_exit`` (explain, stretch): why no early-exit depth pays on SmolLM2.
 
 The student's function, for one sequence with k drafts::
@@ -717,39 +718,63 @@ def _check_predict_best_k(answer, measured: dict | None = None, alpha: float = 0
                  "compare what the k-th draft adds, α^k tokens, with what it costs.")
 
 
-# ---- explain: batching -------------------------------------------------------------------
+# ---- predict: the batch at which speculation stops paying -----------------------------------
 
-_BATCH_CHOICES = {
-    "a": "Acceptance falls at a large batch: the other sequences in the batch blur the "
-         "distribution each sequence's drafts are checked against.",
-    "b": "Rejected drafts are rolled back per sequence, and the whole batch waits until "
-         "every sequence's roll-back is done.",
-    "c": "A large batch already fills the compute units, so verifying k + 1 tokens per "
-         "sequence costs up to k + 1 decode steps.",
-    "d": "Batching changes each sequence's greedy tokens, so fewer drafts match what the "
-         "target would have chosen for it alone.",
-}
-_BATCH_WHY = {
-    "a": "acceptance does not depend on the batch: each sequence's drafts are checked against "
-         "its own target distribution, the same one it gets alone.",
-    "b": "a roll-back is a length per sequence (a truncate, or freed blocks): it costs "
-         "nothing and waits for no one.",
-    "c": "at batch 1 a decode step reads every weight for one token per sequence, so k + 1 "
-         "tokens cost about the same time; at a large batch the step is already "
-         "compute-bound (right of the roofline's ridge), and k + 1 tokens per sequence cost "
-         "about k + 1 times as much. The idle FLOPs speculation spent are gone.",
-    "d": "greedy speculation gives the same tokens at any batch size (each row is computed as "
-         "it would be alone); only the time changes.",
-}
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+# one recorded run of the notebook's roofline model (acceptance 0.8, k = 4, a free draft),
+# used when the check is given no run of its own
+REFERENCE_BATCH_SPEEDUPS = {1: 3.33, 2: 3.29, 4: 3.23, 8: 2.63, 16: 1.53, 32: 0.98, 64: 0.71,
+                            128: 0.67}
 
 
-@exercise("nb09.explain_batching", notebook=NB, kind="explain",
-          title="explain: why does batching erode the speedup of speculative decoding?",
-          solution="c", choices=_BATCH_CHOICES,
-          wrong_variants={"acceptance": ("a", ("does not depend",)),
-                          "tokens change": ("d", ("same tokens",))})
-def _check_explain_batching(answer) -> object:
-    return choice_verdict(answer, "c", _BATCH_WHY)
+def breakeven_batch(speedups: dict) -> int | None:
+    """The smallest batch whose modelled speedup is below 1 (None if none is)."""
+    below = [b for b in sorted(speedups) if speedups[b] < 1]
+    return below[0] if below else None
+
+
+@exercise("nb09.predict_batching_breakeven", notebook=NB, kind="predict",
+          title="predict: the smallest batch at which speculation is slower than plain decoding "
+                "(roofline model, acceptance 0.8, k = 4)",
+          solution=breakeven_batch(REFERENCE_BATCH_SPEEDUPS),
+          wrong_variants={"loses at batch 1": (1, ("memory roof",)),
+                          "pays at every batch": (128, ("k + 1",)),
+                          "compute-bound means slower": (16, ("E[tokens]",))})
+def _check_predict_batching_breakeven(answer, speedups: dict | None = None, alpha: float = 0.8,
+                                      k: int = 4) -> object:
+    """``speedups`` {batch: modelled speedup} from the notebook's run; without it a recorded
+    run. A batch counts when its speedup is below 1.1 and the batch before it is at 0.9 or
+    more: the roofs are measured, so a crossing within 10% of 1 is a tie."""
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        return wrong(f"answer one batch size, an int from {list(BATCHES)}; got {answer!r}.",
+                     "e.g. 8")
+    s = {int(b): float(v) for b, v in (speedups or REFERENCE_BATCH_SPEEDUPS).items()}
+    if answer not in s:
+        return wrong(f"batch {answer} is not in the model's list {sorted(s)}.", "e.g. 8")
+    e = expected_tokens(alpha, k)
+    cross = breakeven_batch(s)
+    table = ", ".join(f"{b}: {v:.2f}x" for b, v in sorted(s.items()))
+    smaller = [b for b in sorted(s) if b < answer]
+    before = s[smaller[-1]] if smaller else None
+    why = (f"A verify feeds k + 1 = {k + 1} tokens per sequence and yields E[tokens] = "
+           f"{e:.2f}. While it sits left of the ridge point it costs about one decode step; once "
+           f"the batch pushes it past the ridge its time grows with its FLOPs, and it loses as "
+           f"soon as it costs more than {e:.2f} decode steps (at most k + 1 = {k + 1}, when "
+           f"decode is compute-bound too: {e:.2f} / {k + 1} = {e / (k + 1):.2f}x).")
+    if cross is None:
+        return wrong(f"in this run the model never falls below 1x ({table}).", why)
+    if s[answer] < 1.1 and (before is None or before >= 0.9):
+        tie = "" if answer == cross else (f" (the model crosses 1x at batch {cross}, "
+                                          f"{s[cross]:.2f}x: within 10% of 1, a tie at these "
+                                          "measured roofs)")
+        return right(f"batch {answer}: {s[answer]:.2f}x{tie}. The model: {table}. {why}")
+    if answer < cross:
+        where = ("still on the memory roof, where the extra tokens ride on the same weight reads"
+                 if s[answer] > 0.9 * s[min(s)] else "past the ridge, but not yet that dear")
+        return wrong(f"at batch {answer} the model still gives {s[answer]:.2f}x: the verify is "
+                     f"{where}. It first falls below 1x at batch {cross} ({table}).", why)
+    return wrong(f"at batch {answer} the model gives {s[answer]:.2f}x, but it is already below "
+                 f"1x at batch {cross} ({table}): speculation does not pay at every batch.", why)
 
 
 # ---- explain (stretch): early exit on SmolLM2 ----------------------------------------------

@@ -9,8 +9,8 @@
   and no graph compiled after the first.
 - ``nb11.predict_outside_share`` (predict): the share of an eager decode step spent
   outside the matrix multiplies, for the int8 model at batch 1.
-- ``nb11.explain_cuda_graphs`` (explain): why a CUDA graph pays at batch 1 and hardly at
-  batch 256.
+- ``nb11.predict_graph_gain`` (predict): the modelled gain of a CUDA graph at batch 1 on an
+  H100's roofs, from the eager step's calls and this machine's t_op.
 - ``nb11.add_rmsnorm_kernel`` (build, stretch): RMSNorm fused with the residual add, as a
   Triton kernel, run in the interpreter on rows that are not a power of two long.
 
@@ -339,39 +339,65 @@ def _check_predict_outside_share(answer, measured: float | None = None, **_) -> 
                  "count the operator calls of a step and multiply by the cost of one call.")
 
 
-# ---- explain: CUDA graphs ----------------------------------------------------------------------
+# ---- predict: the modelled gain of a CUDA graph at batch 1 ---------------------------------------
 
-_GRAPH_CHOICES = {
-    "a": "A graph makes each kernel's arithmetic faster, and batch 256 is compute-bound "
-         "already.",
-    "b": "A replay launches the whole step at once: the per-kernel launch cost it removes is "
-         "fixed, so it matters only while the kernels themselves are short.",
-    "c": "CUDA graphs cannot hold a batch of 256 sequences, so the large batch runs eagerly "
-         "anyway and gets no benefit at all.",
-    "d": "At batch 256 the KV cache no longer fits in the graph's memory pool, which forces "
-         "a copy of every tensor before each replay.",
-}
-_GRAPH_EXPLANATIONS = {
-    "a": "A graph replays the same kernels: each one does the same arithmetic as in eager mode. "
-         "What it removes is the CPU's work of launching them one by one.",
-    "b": "Right: eager mode pays a few microseconds of CPU time per kernel launch, about a "
-         "thousand times per step. At batch 1 on a GPU the kernels finish in microseconds, so "
-         "the launches set the pace; at batch 256 the kernels take long enough that the CPU "
-         "runs ahead and the launch cost hides behind them.",
-    "c": "Graphs are captured per batch size, and vLLM's capture list runs to hundreds of "
-         "sequences (`cudagraph_capture_sizes`); a batch of 256 is replayed like any other.",
-    "d": "The cache lives outside the graph's pool and is read in place; a replay copies only "
-         "the small inputs (token ids, positions, block tables) into the graph's buffers.",
-}
+# one recorded run (the eager step's calls, the micro-benchmark's t_op) and SmolLM2's bfloat16
+# batch-1 decode on an H100's roofs, for a check without a run of its own
+REFERENCE_GRAPH = {"calls": 1350, "t_op": 0.83e-6, "roof_s": 0.084e-3}
+REPLAY_S = 10e-6             # the model's cost of launching one graph replay
 
 
-@exercise("nb11.explain_cuda_graphs", notebook=NB, kind="explain",
-          title="explain: why does a CUDA graph pay at batch 1 and hardly at batch 256?",
-          solution="b", choices=_GRAPH_CHOICES,
-          wrong_variants={"faster arithmetic": ("a", ("same arithmetic",)),
-                          "size limit": ("c", ("per batch size",))})
-def _check_explain_cuda_graphs(answer, **_) -> Verdict:
-    return choice_verdict(answer, "b", _GRAPH_EXPLANATIONS)
+def graph_gain(calls: int, t_op: float, roof_s: float) -> float:
+    """Eager step / graph step in the notebook's model: eager pays max(roof, calls · t_op)
+    (launches overlap the kernels), a replay the roof plus one launch."""
+    return max(roof_s, calls * t_op) / (roof_s + REPLAY_S)
+
+
+@exercise("nb11.predict_graph_gain", notebook=NB, kind="predict",
+          title="predict: the modelled gain of a CUDA graph for SmolLM2 at batch 1 on an H100",
+          solution=graph_gain(**REFERENCE_GRAPH),
+          wrong_variants={"same kernels, no gain": (1.0, ("launches",)),
+                          "the calls ratio": (1350.0, ("roof",)),
+                          "launches only, no roof": (
+                              REFERENCE_GRAPH["calls"] * REFERENCE_GRAPH["t_op"] / REPLAY_S,
+                              ("roof",))})
+def _check_predict_graph_gain(answer, calls: int | None = None, t_op: float | None = None,
+                              roof_s: float | None = None) -> Verdict:
+    """``calls``, ``t_op`` and ``roof_s`` from the notebook's run; without them a recorded run.
+    Within 25% of the model counts."""
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not answer > 0:
+        return wrong(f"the answer should be a positive number (eager time / graph time), got "
+                     f"{answer!r}.", "e.g. 2.0 for a graph step twice as fast.")
+    ctx = dict(REFERENCE_GRAPH)
+    for key, value in (("calls", calls), ("t_op", t_op), ("roof_s", roof_s)):
+        if value is not None:
+            ctx[key] = float(value)
+    n, t, roof = ctx["calls"], ctx["t_op"], ctx["roof_s"]
+    gain = graph_gain(n, t, roof)
+    launches = n * t
+    pace = ("longer than the kernels' {:.3f} ms roof, so the launches set the pace"
+            if launches > roof else "shorter than the kernels' {:.3f} ms roof, which sets the "
+            "pace").format(roof * 1e3)
+    how = (f"eager: {n:.0f} launches × {t * 1e6:.2f} µs = {launches * 1e3:.2f} ms, {pace}; a "
+           f"graph: the roof plus one replay, {roof * 1e3:.3f} + {REPLAY_S * 1e3:.3f} ms; gain "
+           f"{max(launches, roof) * 1e3:.2f} / {(roof + REPLAY_S) * 1e3:.3f} = {gain:.1f}×")
+    if abs(answer - gain) <= 0.25 * gain:
+        return right(f"{answer:g}× is within 25% of the model: {how}. As the batch grows the "
+                     "kernels lengthen and the same launches hide behind them.")
+    if answer <= 1.5:
+        return wrong(f"{answer:g}× says a graph hardly helps. It runs the same kernels, but at "
+                     f"batch 1 their work is short and the CPU's launches are not: {how}.",
+                     "compare the time of the launches with the time of the kernels.")
+    if answer > 3 * gain and abs(answer - n) <= 0.2 * n:
+        return wrong(f"{answer:g}× is the number of calls: a graph step is not one call's time, "
+                     f"it still waits for its kernels' roof: {how}.",
+                     "the graph removes the launches, not the kernels' work.")
+    if answer > gain:
+        return wrong(f"{answer:g}× is above the model: the graph step still takes its kernels' "
+                     f"roof, which no launch trick removes: {how}.",
+                     "divide the eager step's time by the roof plus one replay.")
+    return wrong(f"{answer:g}× is below the model: {how}.",
+                 "the eager step waits for its launches when they outlast the kernels.")
 
 
 # ---- stretch: RMSNorm fused with the residual add, in Triton ------------------------------------

@@ -85,7 +85,7 @@ print(f"least-squares fit over all {step_fit.n} lengths: {a:.1f} ms + {b:.3f} ms
 # this machine — how fast it streams memory and how fast it multiplies — and one number per step,
 # its **arithmetic intensity**: FLOPs done per byte moved. Below the *ridge point* (peak FLOP/s ÷
 # bandwidth) a step waits for memory; above it, for arithmetic. `forward_cost` is the analytic
-# model of a forward (weights read once, activations, logits for the last token):
+# model of a forward (the bytes of its weights and activations, logits for the last token):
 
 # %%
 from llmlab.profiling.roofline import forward_cost, measure_ceilings
@@ -114,12 +114,7 @@ display(Markdown(
     f"extra token adds about 1/{1 / i_fit.b:.1f} FLOP per byte. Per length, L divided by the "
     "intensity is "
     + ", ".join(f"{n / x:.1f}" for n, x in zip(lengths, intensity))
-    + f" at L = {', '.join(map(str, lengths))}. Counting only the weights' bytes, the same FLOPs "
-    f"give L/{lengths[0] / per_weight_byte[0]:.1f} to L/{lengths[-1] / per_weight_byte[-1]:.1f}: "
-    "a weight in a decoder layer does 2 FLOPs per token (a multiply and an add) for its 4 bytes, "
-    f"which alone would be L/2, and the embedding table ({emb_share:.0%} of the weight bytes) is "
-    "read for the last token's logits only. The activations' bytes also grow with L, so the full "
-    "intensity falls a little further below the weights-only line as L grows."))
+    + f" at L = {', '.join(map(str, lengths))}."))
 
 # %% [markdown]
 # **Explain.** In the printout the intensity (a model: it depends only on the shapes) grows with
@@ -132,6 +127,15 @@ exercises.ask("nb01.explain_compute_bound")
 # %%
 answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 exercises.check("nb01.explain_compute_bound", answer)
+
+# %%
+Markdown(
+    f"Counting only the weights' bytes, the same FLOPs give L/{lengths[0] / per_weight_byte[0]:.1f} "
+    f"to L/{lengths[-1] / per_weight_byte[-1]:.1f} FLOP per byte: a weight in a decoder layer is "
+    "read once per forward and does 2 FLOPs per token (a multiply and an add) for its 4 bytes, "
+    f"which alone would be L/2, and the embedding table ({emb_share:.0%} of the weight bytes) is "
+    "read for the last token's logits only. The activations' bytes also grow with L, so the full "
+    "intensity falls a little further below the weights-only line as L grows.")
 
 # %% [markdown]
 # ## Measure: what the fixed part a is

@@ -374,12 +374,11 @@ print(f"FlashAttention-1 traffic ∝ M^{slope(sram_kib, fa1):.2f} from {sram_kib
 #
 # ## FlashAttention-2's loop order
 #
-# FlashAttention-2 (Dao, 2023) **swaps the loops**: query blocks outside, K/V blocks inside. A
-# program loads its Q_i once, keeps O_i's accumulator on chip while every K_j, V_j streams
-# through, and writes O_i once. Now K and V are re-read once per query block: **Θ(N²·d/Br)**.
+# FlashAttention-2 (Dao, 2023) **swaps the loops**: query blocks outside, K/V blocks inside.
+# Q_i is loaded once, O_i's accumulator stays on chip while every K_j, V_j streams through, and
+# O_i is written once. Now K and V are re-read once per query block: **Θ(N²·d/Br)**.
 # Br is not derived from M: it is chosen so that the Br×Bc score tile and the Br×d accumulator
-# fit in the registers of the warps that own them while enough programs share an SM to hide
-# memory latency (occupancy): 64 or 128 rows in practice. llmlab's torch `flash`, your
+# fit in registers, 64 or 128 rows in practice. llmlab's torch `flash`, your
 # `flash_forward` and the Triton kernel all use this order. The dashed lines above are this
 # order at Br = 64 and 128: independent of M. Against N:
 
@@ -399,8 +398,8 @@ print(f"standard ∝ N^{slope(ns_t[-3:], traffic['standard'][-3:]):.2f}, "
 #
 # ### Exercise 4 (explain): why did FlashAttention-2 swap the loops?
 #
-# Its traffic formula is not smaller than FlashAttention-1's for every M. So why put the
-# query blocks outside?
+# Why put the query blocks outside? Test each option against the two plots above before you
+# pick one.
 
 # %%
 exercises.ask("nb03.explain_loop_order")

@@ -269,9 +269,6 @@ spread_p = (layer_probs[others] - 1 / 8).abs().max()
 spread_f = (layer_shares[others] - 1 / 8).abs().max()
 print(f"the other {len(others)} layers: Pᵢ within ±{spread_p:.3f} of 1/8 = 0.125, "
       f"fᵢ within ±{spread_f:.3f}")
-excess = 0.01 * 8 * ((layer_shares - 1 / 8) * (layer_probs - 1 / 8)).sum(1)
-expect(torch.allclose(excess, losses - 0.01, atol=1e-5),
-       "the identity loss = α + α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N) in every layer")
 expect(losses.max() < 0.02, "every layer's balance loss below 2α")
 expect(spread_f > 2 * spread_p, "the load shares fᵢ spreading more than twice as far from 1/8 as "
        "the mean probabilities Pᵢ")
@@ -298,6 +295,14 @@ exercises.ask("nb06.explain_balance_loss")
 # %%
 my_choice = ...  # YOUR ANSWER: "a", "b", "c" or "d"
 exercises.check("nb06.explain_balance_loss", my_choice)
+
+# %%
+# the excess over α, from the deviations of the counts and of the probabilities from 1/N
+excess = 0.01 * 8 * ((layer_shares - 1 / 8) * (layer_probs - 1 / 8)).sum(1)
+expect(torch.allclose(excess, losses - 0.01, atol=1e-5),
+       "the identity loss = α + α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N) in every layer")
+print(f"α·N·Σ(fᵢ − 1/N)(Pᵢ − 1/N) per layer, largest {excess.max():.5f}; loss − α, largest "
+      f"{(losses - 0.01).max():.5f}")
 
 # %% [markdown]
 # ## Capacity: a training and serving-system concern

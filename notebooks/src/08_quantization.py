@@ -501,8 +501,14 @@ Markdown(
 # (dequantized weights in float32, no kernel) and measures the KLD against float32 on a short
 # window of the text. The widget shows the weight bytes, the KLD and the decode tokens/s that
 # the measured bandwidth would allow at those bytes: a **model** (bytes / bandwidth), not a
-# measurement. "one per row" is a single group per output row; groups of 32 are the file's own
-# blocks, exact at 4 bits and above.
+# measurement. "one per row" is a single group per output row.
+#
+# **Predict, then measure.** Before the sweep runs, order four of its settings by the KLD they
+# cost, lowest first: **(a)** 8 bits, one step per row; **(b)** 4 bits, groups of 32; **(c)** 4 bits,
+# groups of 64; **(d)** 4 bits, one step per row. Answer the four letters, e.g. `"dcba"`.
+
+# %%
+my_order = ...  # YOUR PREDICTION: four letters, lowest KLD first
 
 # %%
 grid = qeval.sweep_bits_group(model, ids[:48 if QUICK else 64], bits_list=(3, 4, 8),
@@ -510,6 +516,7 @@ grid = qeval.sweep_bits_group(model, ids[:48 if QUICK else 64], bits_list=(3, 4,
 for (b, g), v in grid.items():
     print(f"{b} bits, {'row' if g is None else g:>3}: {v['bytes'] / 1e6:5.0f} MB, "
           f"KLD {v['kld']:.1e}, top-1 {v['top1']:.0%}")
+exercises.check("nb08.predict_kld_order", my_order, grid=grid)
 
 # %%
 import ipywidgets as widgets
@@ -531,18 +538,10 @@ print(f"4-bit, one step per row: KLD {per_row.kld:.1e}; groups of 64: {per_64.kl
       "more bytes")
 
 # %% [markdown]
-# ## Explain
-#
-# The sweep printed the KLD of 4 bits with one step per output row (576 or 1,536 inputs) and with
-# groups of 64, for a few percent more bytes.
-
-# %%
-exercises.ask("nb08.explain_group_size")
-
-# %%
-# NBVAL_CHECK_OUTPUT
-answer = ...  # YOUR ANSWER: a letter
-exercises.check("nb08.explain_group_size", answer)
+# Groups of 32 along the input are the file's own Q4_1 blocks, so at 4 bits and above they give
+# the weights back exactly (Check (1)). Groups of 64 cross those blocks, and a group's step is its
+# own range over 15: a large weight coarsens its 63 neighbours, where with one step per row it
+# coarsens all 576 or 1,536 weights of the row.
 
 # %% [markdown]
 # ## Stretch: the cost of a Q4_1 block

@@ -96,7 +96,7 @@ exercises.check("nb03.predict_peak_memory", 25)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-exercises.check("nb03.explain_loop_order", "c")
+exercises.check("nb03.explain_loop_order", "b")
 
 # %% [markdown]
 # ## Exercise 5: the break-even Br
