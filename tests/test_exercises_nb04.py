@@ -17,6 +17,8 @@ from llmlab.cache.block_manager import (BlockAllocator, BlockManager, NoFreeBloc
                                         append_to_table)
 from llmlab.exercises import nb04
 
+from .test_notebook_budget import prose_words_and_checks as _prose_words_and_checks
+
 SRC_DIR = Path(__file__).resolve().parents[1] / "notebooks" / "src"
 SRC = SRC_DIR / "04_paged_attention.py"
 SRC_B = SRC_DIR / "04b_paging_fine_print.py"          # the optional appendix
@@ -141,21 +143,6 @@ def test_the_compute_questions_in_the_notebook_match_the_registry():
     text_b = SRC_B.read_text()
     assert f"{', '.join(map(str, head))} and {last} tokens" in text_b
     assert f"blocks of {nb04.WASTE_BLOCK_SIZE} slots" in text_b
-
-
-def _prose_words_and_checks(path):
-    """Words of a notebook source's markdown cells (the further-reading list left out) and the
-    distinct exercises it checks."""
-    words, cell = 0, None
-    for line in path.read_text().splitlines() + ["# %%"]:
-        if line.startswith("# %%"):
-            if cell is not None:
-                words += len("\n".join(cell).split("## Further reading")[0].split())
-            cell = [] if "[markdown]" in line else None
-        elif cell is not None:
-            cell.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
-    checks = set(re.findall(r"exercises\.check\(\s*[\"']([^\"']+)[\"']", path.read_text()))
-    return words, checks
 
 
 def test_notebook_04_is_an_hour_and_04b_holds_the_rest():

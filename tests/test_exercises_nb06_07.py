@@ -268,7 +268,7 @@ def test_notebook_07_is_an_hour_and_07b_holds_the_rest():
     weights, and holds the bfloat16 bytes, the 70B degrees and the sequence-parallel stretch."""
     from pathlib import Path
 
-    from .test_exercises_nb04 import _prose_words_and_checks
+    from .test_notebook_budget import prose_words_and_checks as _prose_words_and_checks
 
     src_dir = Path(__file__).resolve().parents[1] / "notebooks" / "src"
     core, appendix = src_dir / "07_tensor_parallelism.py", src_dir / "07b_tensor_parallelism_at_scale.py"

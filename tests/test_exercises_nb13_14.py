@@ -8,23 +8,10 @@ import pytest
 
 from llmlab import exercises
 
+from .test_notebook_budget import prose_words_and_checks as _prose_words_and_checks
+
 SRC_DIR = Path(__file__).resolve().parents[1] / "notebooks" / "src"
 NOTEBOOKS = {"13": "13_caching_across_requests", "14": "14_long_context"}
-
-
-def _prose_words_and_checks(path: Path) -> tuple[int, set[str]]:
-    """Words of a notebook source's markdown cells (the further-reading list left out) and the
-    distinct exercises it checks."""
-    words, cell = 0, None
-    for line in path.read_text().splitlines() + ["# %%"]:
-        if line.startswith("# %%"):
-            if cell is not None:
-                words += len("\n".join(cell).split("## Further reading")[0].split())
-            cell = [] if "[markdown]" in line else None
-        elif cell is not None:
-            cell.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
-    checks = set(re.findall(r"exercises\.check\(\s*[\"']([^\"']+)[\"']", path.read_text()))
-    return words, checks
 
 
 @pytest.mark.parametrize("number", sorted(NOTEBOOKS))

@@ -30,12 +30,21 @@ def prose_words_and_checks(path: Path) -> tuple[int, set[str]]:
     return words, checks
 
 
+def questions_asked(path: Path) -> int:
+    """How many questions the notebook shows with ``exercises.ask`` (each is study time on
+    top of the check that judges its answer)."""
+    return len(re.findall(r"exercises\.ask\(", path.read_text()))
+
+
 def test_the_counter_counts_prose_and_checks(tmp_path):
     src = tmp_path / "99_x.py"
     src.write_text('# %% [markdown]\n# # Title\n#\n# one two three\n\n# %%\nx = 1  # not prose\n'
                    'exercises.check("nb99.a", f)\nexercises.check( "nb99.b", g)\n'
                    '# %% [markdown]\n# more words\n#\n# ## Further reading\n# - a link\n')
     assert prose_words_and_checks(src) == (7, {"nb99.a", "nb99.b"})
+    assert questions_asked(src) == 0
+    src.write_text(src.read_text() + '# %%\nexercises.ask("nb99.a")\n')
+    assert questions_asked(src) == 1
 
 
 def test_there_are_core_notebooks_and_appendices():
@@ -45,8 +54,10 @@ def test_there_are_core_notebooks_and_appendices():
 @pytest.mark.parametrize("src", CORE, ids=lambda p: p.stem)
 def test_a_core_notebook_is_an_hour(src):
     words, checks = prose_words_and_checks(src)
+    asked = questions_asked(src)
     assert words <= MAX_WORDS, f"{src.name}: {words} words of prose, at most {MAX_WORDS}"
-    assert len(checks) <= MAX_CHECKS, f"{src.name}: {len(checks)} checks {sorted(checks)}"
+    assert len(checks) + asked <= MAX_CHECKS, (
+        f"{src.name}: {len(checks)} checks {sorted(checks)} and {asked} questions shown")
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
