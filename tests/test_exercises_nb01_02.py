@@ -2,6 +2,7 @@
 backend adapter, the cache skeleton's bookkeeping, the diagnoses, and that a check leaves
 the model and the registries as it found them, even when the student's code fails."""
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,7 @@ def test_step_ratio_uses_medians_of_the_windows():
 
 def test_notebook_02_is_an_hour_and_checks_what_it_registers():
     """At most 2,500 words of prose and 6 exercises, each one the registry holds for 02."""
-    from .test_exercises_nb04 import _prose_words_and_checks
+    from .test_notebook_budget import prose_words_and_checks as _prose_words_and_checks
 
     src = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "02_kv_cache_and_roofline.py"
     words, checks = _prose_words_and_checks(src)
@@ -144,3 +145,63 @@ def test_no_intensity_is_on_screen_before_the_prediction():
     i = next(i for i, c in enumerate(cells) if "my_intensity = ..." in c)
     before = "".join(cells[i - 3:i])
     assert ".intensity" not in before and "0.5" not in before and "2 FLOPs" not in before
+
+
+# -- notebook 02: the batch-16 decode step, predicted as a number -------------------------------
+
+def _check_batch(answer, measured, **context):
+    return exercises.check("nb02.predict_batch_decode", answer, measured=measured, **context)
+
+
+@pytest.mark.parametrize("measured", [1.1, 2.0, 3.4])
+def test_the_batch_prediction_passes_within_a_factor_of_two_of_the_run(measured):
+    for answer in (measured, 2.0, measured * 1.9, max(1.0, measured / 1.9)):
+        v = _check_batch(answer, measured)
+        assert v.passed, (answer, measured, v.message)
+        assert f"{measured:.2f}×" in v.message and "once" in v.message
+    for answer in (measured * 2.1, measured / 2.1):
+        assert not _check_batch(answer, measured).passed, (answer, measured)
+
+
+def test_the_batch_prediction_names_the_usual_wrong_numbers():
+    for answer, words in ((16, ("own weight read", "3.40×")), (12, ("own weight read",)),
+                          (1 / 16, ("per token", "cannot take less time")),
+                          (0.5, ("per token",)),
+                          (1.2, ("bytes alone", "1.20× the bytes", "batch sweep")),
+                          (1, ("other 15 sequences free", "own KV cache")),
+                          (8, ("2.35 times the measured",))):
+        v = _check_batch(answer, 3.4)
+        assert not v.passed, answer
+        assert all(w in v.message for w in words), (answer, v.message)
+    for placeholder in (..., None, "c", "2", True, 0, -2.0, float("inf")):
+        assert not _check_batch(placeholder, 3.4).passed, placeholder
+
+
+def test_the_batch_prediction_follows_the_measured_ratio_and_batch():
+    assert _check_batch(3.0, 3.4).passed and not _check_batch(3.0, 1.1).passed
+    assert _check_batch(1.0, 1.1).passed and not _check_batch(1.0, 3.4).passed
+    # a step for 16 sequences quicker than one for 1 fails unless the run itself says so
+    assert _check_batch(0.95, 1.1).passed and not _check_batch(0.6, 1.1).passed
+    assert "per token" in _check_batch(0.6, 1.1).message and _check_batch(0.6, 0.7).passed
+    v = _check_batch(16, 12.0)                    # a run where the step grew with the batch
+    assert v.passed and "busy" in v.message
+    # QUICK runs compare batch 4 with batch 1: the messages and the proportional guess follow
+    v = _check_batch(4, 1.9, batch=4)
+    assert not v.passed and "4 sequences" in v.message and "batch-4 step" in v.message
+    assert _check_batch(2, 1.9, batch=4).passed
+
+
+def test_notebook_02_asks_for_the_batch_ratio_before_timing_it():
+    src = (Path(__file__).resolve().parents[1] / "notebooks" / "src"
+           / "02_kv_cache_and_roofline.py").read_text()
+    cells = re.split(r"(?m)^(?=# %%)", src)
+    placeholder = "my_prediction = ...  # YOUR ANSWER: a number"
+    i = next(i for i, c in enumerate(cells) if "**Predict, then measure.** A decode step" in c)
+    assert placeholder in cells[i + 1] and "exercises.ask(" not in src
+    before = "".join(cells[i - 3:i])
+    for giveaway in ("far less", "read once", "own weight", "16 single", "memory-bound"):
+        assert giveaway not in before and giveaway not in cells[i], giveaway
+    check = 'exercises.check("nb02.predict_batch_decode", my_prediction, measured=ratio'
+    assert (src.index(placeholder) < src.index("cached_step_times(model, [CONTEXT + 1]")
+            < src.index("ratio = 1 / batch_cmp.ratio") < src.index(check))
+    assert "batch=batches[-1]" in src[src.index(check):src.index(check) + 120]

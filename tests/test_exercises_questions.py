@@ -165,11 +165,43 @@ def test_nb03_option_a_matches_the_sram_plot():
 
 def test_nb01_explains_the_intensity_after_its_question():
     stem = "01_baseline_where_time_goes"
-    before = _before(stem, 'exercises.ask("nb01.explain_compute_bound")')
-    assert "L/2" not in before and "2 FLOPs per token" not in before and "read once" not in before
-    assert "2 FLOPs per token" in _after(stem, 'exercises.ask("nb01.explain_compute_bound")')
-    assert exercises.check("nb01.explain_compute_bound", "d").passed
-    assert "once" in exercises.check("nb01.explain_compute_bound", "a").message
+    marker = "my_growth = ...  # YOUR ANSWER: a number"
+    question = next(c for c in _cells(stem) if "**Predict, then count.**" in c)
+    before = _before(stem, marker)
+    assert question in before and "L = 96" in question and "L = 8" in question
+    for shown in (before, question):
+        assert "L/2" not in shown and "2 FLOPs per token" not in shown and "read once" not in shown
+        assert ".intensity" not in shown and "FLOP/byte" not in shown
+    after = _after(stem, marker)
+    assert "2 FLOPs per token" in after and "exercises.ask(" not in (SRC / f"{stem}.py").read_text()
+    src = (SRC / f"{stem}.py").read_text()
+    # the answer is committed before any intensity is printed, and judged against the model's
+    assert (src.index(marker) < src.index('exercises.check("nb01.predict_intensity_growth", '
+                                          'my_growth, measured=growth)')
+            < src.index("FLOP/byte ({bound}-bound)"))
+
+
+def test_nb01_intensity_growth_prediction_names_each_misreading():
+    from llmlab.exercises import nb01
+
+    want = nb01.modelled_intensity_growth()
+    assert 8 < want < 12                            # a little less than the 12× the tokens
+    check = lambda a, m=want: exercises.check("nb01.predict_intensity_growth", a, measured=m)  # noqa: E731
+    for answer in (12, 96 / 8, want, 10):
+        assert check(answer).passed, answer
+    assert exercises.check("nb01.predict_intensity_growth", 12).passed   # measured=None: the model
+    for answer, words in ((1, ("once", "all L")), (1.2, ("constant",)), (0.5, ("faster",)),
+                          (0.1, ("faster",)), (144, ("L²", "minority")), (100, ("L²",)),
+                          (3, ("0.31 times",)), (24, ("times the model",))):
+        v = check(answer)
+        assert not v.passed, answer
+        assert all(w in v.message for w in words), (answer, v.message)
+    for placeholder in (..., None, "12", True, -12, float("nan")):
+        assert not check(placeholder).passed, placeholder
+    # the judgement follows the value passed in, not a value of its own
+    assert check(1.0, m=1.0).passed and not check(12, m=1.0).passed
+    assert check(144, m=140.0).passed and not check(12, m=140.0).passed
+    assert "×140.0" in check(12, m=140.0).message
 
 
 def test_nb06_shows_the_identity_only_after_its_question():

@@ -77,18 +77,43 @@ def test_no_answer_is_imported_before_its_exercise():
     assert not re.search(r"import[^\n]*\bflash_attention\b", head)
 
 
-def test_notebook_03b_sorts_after_03_and_holds_only_a_stretch():
+def test_notebook_03b_sorts_after_03_and_holds_only_a_stretch_and_the_break_even():
     """build.py picks 03b up with 03 (prefix "03"); the workbook's per-notebook tests glob
-    "NN_*", which 03b does not match, so it must hold no explain question and no main build."""
+    "NN_*", which 03b does not match, so it must hold no explain question and no main build:
+    only the Triton stretch and the break-even Br, a number checked without a question shown."""
     names = sorted(p.name for p in SRC.glob("[0-9]*.py"))
     assert names.index("03b_flash_attention_on_gpu.py") == names.index("03_flash_attention.py") + 1
     assert (SRC / "solutions" / "03b_flash_attention_on_gpu_solutions.py").exists()
+    in_03b = []
     for name in exercises.names("03"):
         ex = exercises.get(name)
         if ex.notebook.startswith("03b"):
-            assert ex.kind == "build" and ex.stretch, name
+            in_03b.append(name)
+            if name == "nb03.break_even_block_q":
+                assert ex.kind == "compute" and not ex.stretch and not ex.choices, name
+            else:
+                assert ex.kind == "build" and ex.stretch, name
+    assert "nb03.break_even_block_q" in in_03b, in_03b
     src3b = (SRC / "03b_flash_attention_on_gpu.py").read_text()
     assert "exercises.ask(" not in src3b
+
+
+def test_the_break_even_question_lives_in_03b_and_left_03_cleanly():
+    """Notebook 03b and its solutions check the break-even Br; notebook 03 and its solutions no
+    longer name it, and 03's compute exercise is numbered 5 with nothing pointing at a 6th."""
+    src3, src3b = ((SRC / f"{stem}.py").read_text()
+                   for stem in ("03_flash_attention", "03b_flash_attention_on_gpu"))
+    sol3, sol3b = ((SRC / "solutions" / f"{stem}_solutions.py").read_text()
+                   for stem in ("03_flash_attention", "03b_flash_attention_on_gpu"))
+    call = 'exercises.check("nb03.break_even_block_q"'
+    assert call in src3b and call in sol3b
+    assert "break_even" not in src3 and "break_even" not in sol3
+    assert "Exercise 5 (compute): causal skipping" in src3 and "Exercise 6" not in src3
+    assert "Exercise 6" not in sol3
+    # the question comes before the compiler section, which then reads its answer back
+    assert src3b.index(call) < src3b.index("## What the compiler makes of a tile")
+    head = _before(src3b, call)
+    assert "d/2" not in head and "d / 2" not in head
 
 
 def test_03b_gpu_model_sentences_hold():
@@ -117,7 +142,9 @@ def test_break_even_block_q_is_where_the_model_crosses(d):
 
 
 def test_explain_right_options_are_not_the_longest():
-    for name, letter in (("nb01.explain_compute_bound", "d"), ("nb03.explain_loop_order", "b")):
+    # (notebook 01's question is a number now: nb01.predict_intensity_growth, no options)
+    assert not exercises.get("nb01.predict_intensity_growth").choices
+    for name, letter in (("nb03.explain_loop_order", "b"),):
         ex = exercises.get(name)
         assert ex.solution == letter
         assert max(ex.choices.values(), key=len) != ex.choices[letter], name

@@ -14,7 +14,7 @@ Two tables, measured in one run on the machine at hand:
   backend, at batch 1 and 8: ``--new-tokens`` per sequence under a schema long enough not
   to finish first (a list of up to 40 items), the unconstrained run with ``ignore_eos``;
   medians of ``--repeats`` runs, each repeat running every mode in turn so that load
-  changes hit all alike. The issue's target: constrained keeps >= 90% of unconstrained.
+  changes hit all alike. The target: constrained keeps >= 90% of unconstrained.
 
 Taught in notebook 12.
 """

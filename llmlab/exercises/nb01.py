@@ -7,8 +7,9 @@
   (:func:`forbid_torch`, :func:`llmlab.exercises.forbid`).
 - ``nb01.token_passes``, ``nb01.score_bytes`` (compute): the cost of the baseline by hand.
 - ``nb01.predict_memory_growth`` (predict): how naive attention's peak memory grows with N.
-- ``nb01.explain_compute_bound`` (explain): why a no-cache step turns compute-bound as the
-  sequence grows.
+- ``nb01.predict_intensity_growth`` (predict): by what factor a no-cache step's FLOPs per
+  byte grow from 8 to 96 tokens, committed before the roofline model prints them; the
+  misreadings that lead to 1 or to 144 are named.
 - ``nb01.padded_attention`` (stretch): the same attention with a key-padding mask, run on
   a left-padded batch.
 
@@ -25,8 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import (Verdict, choice_verdict, compare_tensors, exercise, forbid, number_verdict, right,
-               wrong)
+from . import Verdict, compare_tensors, exercise, forbid, number_verdict, right, wrong
 
 NOTEBOOK = "01_baseline_where_time_goes"
 PROMPT = "The three laws of thermodynamics are"
@@ -425,42 +425,68 @@ def _check_predict_memory_growth(answer, measured: float | None = None, **_) -> 
                  f"{why}", "count the elements of the largest tensor the call creates.")
 
 
-# ---- explain: why a no-cache step turns compute-bound -----------------------------------------
+# ---- predict: how a no-cache step's intensity grows with L ---------------------------------------
 
-COMPUTE_BOUND_CHOICES = {
-    "a": "The step reads every weight matrix once per token of the sequence, so its bytes grow "
-         "faster than its FLOPs.",
-    "b": "Attention's L × L score matrix makes up most of the step's FLOPs from the first "
-         "tokens on.",
-    "c": "Python and dispatch overhead grow with the number of tokens in the sequence.",
-    "d": "Each weight is read once and used for all L tokens, so FLOPs per byte grow like L.",
-}
-
-_COMPUTE_BOUND_EXPLANATIONS = {
-    "a": "A forward over L tokens streams each weight matrix from memory once and multiplies "
-         "it with all L rows of the [L, hidden] input: the weights are read once, not L times "
-         "(the roofline model's bytes hardly change with L).",
-    "b": "At these lengths attention is a minority of the time (the parts plot below): its "
-         "L² term grows faster, but stays small next to L × the 135M weights until L is in "
-         "the thousands.",
-    "c": "Python and dispatch overhead are paid per operator call, and a forward makes the "
-         "same calls whatever L is: a fixed cost per step, part of the fit's intercept (the "
-         "overhead cell below measures it).",
-    "d": "Each 4-byte weight read from memory does 2·L FLOPs (a multiply and an add per "
-         "token), about L/2 FLOP per byte. Past the ridge point the arithmetic, not the "
-         "weight reads, sets the time: the step costs a fixed part (the weights streamed "
-         "once, plus the overhead per step) and a part per token (the fitted slope).",
-}
+GROWTH_FROM, GROWTH_TO = 8, 96
 
 
-@exercise("nb01.explain_compute_bound", notebook=NOTEBOOK, kind="explain",
-          title="explain: why does a no-cache step turn compute-bound as the sequence grows?",
-          solution="d", choices=COMPUTE_BOUND_CHOICES,
-          wrong_variants={"weights read L times": ("a", ("once",)),
-                          "attention dominates": ("b", ("minority",)),
-                          "overhead grows": ("c", ("fixed cost",))})
-def _check_explain_compute_bound(answer, **_) -> Verdict:
-    return choice_verdict(answer, "d", _COMPUTE_BOUND_EXPLANATIONS)
+@functools.lru_cache(maxsize=1)
+def _smollm2_config():
+    from ..config import ModelConfig
+    from ..models.registry import model_dir
+
+    return ModelConfig.from_file(model_dir("smollm2-135m"))
+
+
+def modelled_intensity_growth(config=None, short: int = GROWTH_FROM,
+                              long: int = GROWTH_TO) -> float:
+    """The roofline model's FLOPs per byte of a no-cache forward over ``long`` tokens over
+    that of one over ``short`` tokens (batch 1, float32; SmolLM2 by default)."""
+    from ..profiling.roofline import forward_cost
+
+    config = config or _smollm2_config()
+    return forward_cost(config, 1, long).intensity / forward_cost(config, 1, short).intensity
+
+
+@exercise("nb01.predict_intensity_growth", notebook=NOTEBOOK, kind="predict", solution=12.0,
+          title=f"predict: by what factor a no-cache step's FLOPs per byte grow from "
+                f"L = {GROWTH_FROM} to L = {GROWTH_TO} tokens",
+          wrong_variants={"weights read once per token": (1.0, ("once", "all L")),
+                          "bytes grow faster than FLOPs": (0.5, ("faster", "once")),
+                          "attention's L² dominates": (144.0, ("L²", "minority"))})
+def _check_predict_intensity_growth(answer, measured: float | None = None, **_) -> Verdict:
+    """``answer``: the factor; ``measured``: the roofline model's factor the notebook prints."""
+    want = modelled_intensity_growth() if measured is None else float(measured)
+    tokens = GROWTH_TO / GROWTH_FROM
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not (
+            math.isfinite(answer) and answer > 0):
+        return wrong(f"the prediction should be a positive number (a factor), got {answer!r}.",
+                     "e.g. 2.0 if you expect the FLOPs per byte to double.")
+    said = f"the model gives ×{want:.1f} from L = {GROWTH_FROM} to L = {GROWTH_TO}"
+    if max(answer / want, want / answer) <= 1.4:          # within a factor of 1.4
+        return right(f"you predicted ×{answer:g}; {said} ({tokens:g}× the tokens). A forward "
+                     "reads each weight once and multiplies it with all L rows of its input, "
+                     "so its FLOPs grow with L while its bytes hardly move: the intensity grows "
+                     "about like L, and a long enough step crosses the ridge point. It grows a "
+                     "little less than L because the activations' bytes grow with L too and the "
+                     "embedding table is used for the last token's logits only.")
+    if answer <= 0.9:
+        why = ("below 1 the bytes would grow faster than the FLOPs, as if each weight were read "
+               "more than once per token. A forward reads each weight matrix once and multiplies "
+               "it with all L rows of its [L, hidden] input: the bytes hardly change with L.")
+    elif answer < 1.5:
+        why = ("a constant intensity is what you get if every weight were read once per token, "
+               "so that bytes grow with L like the FLOPs. A forward reads each weight once and "
+               "uses it for all L tokens: the FLOPs grow with L, the bytes hardly.")
+    elif answer >= 0.5 * tokens ** 2:
+        why = (f"×{answer:g} is about ({tokens:g})², the growth of attention's L × L score "
+               "matrix. At these lengths attention is a minority of the FLOPs: 2 FLOPs per "
+               "weight per token over 135M weights outweigh the L² term until L is in the "
+               "thousands, so the intensity grows about like L, not L².")
+    else:
+        why = f"you predicted ×{answer:g}, {answer / want:.2f} times the model's value."
+    return wrong(f"{said}; {why}", "per forward: how many times is each weight read, and for how "
+                                   "many tokens is it used?")
 
 
 # ---- stretch: attention with a key-padding mask -----------------------------------------------

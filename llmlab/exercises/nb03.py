@@ -8,8 +8,9 @@
   functions (and its online-softmax step) and torch's fused attention raise.
 - ``nb03.predict_peak_memory`` (predict): how many times more memory naive needs.
 - ``nb03.explain_loop_order`` (explain): why FlashAttention-2 swapped the loops.
-- ``nb03.break_even_block_q``, ``nb03.skipped_tiles`` (compute): the HBM-traffic model and
-  the causal block schedule.
+- ``nb03.skipped_tiles`` (compute): the causal block schedule.
+- ``nb03.break_even_block_q`` (compute; notebook 03b): the Br at which the HBM-traffic model's
+  K/V re-reads tie with standard attention's S and P, the lower bound on a GPU tile.
 - ``nb03.flash_triton_inner_loop`` (build, stretch; notebook 03b): the inner loop of a Triton
   kernel, registered only where Triton is installed (see
   :mod:`llmlab.exercises.flash_triton_skeleton`).
@@ -34,7 +35,7 @@ from ..profiling.hbm import standard_attention_hbm, tiled_attention_hbm
 from .nb01 import TorchAnswer, forbid_torch, library_attention
 
 NB = "03_flash_attention"
-NB_GPU = "03b_flash_attention_on_gpu"     # the optional GPU half: the Triton stretch
+NB_GPU = "03b_flash_attention_on_gpu"     # the optional GPU half: break-even Br, Triton stretch
 
 
 def _torch_answer(exc: TorchAnswer):
@@ -577,6 +578,23 @@ def _check_explain_loop_order(answer) -> object:
     return choice_verdict(answer, "b", _LOOP_EXPLANATIONS)
 
 
+@exercise("nb03.skipped_tiles", notebook=NB, kind="compute",
+          title="causal skipping: tiles never loaded at N=1024, Br=Bc=128",
+          solution=28, wrong_variants={"counted the diagonal": (36, ("strictly above",)),
+                                       "half of all": (32, ("strictly above",))})
+def _check_skipped_tiles(answer, n: int = 1024, block: int = 128) -> object:
+    want = int((block_schedule(n, n, block, block, causal=True) == CAUSAL_SKIPPED).sum())
+    blocks = n // block
+    if answer == want:
+        return right(f"{want} of {blocks ** 2} tiles are never loaded: every tile strictly "
+                     "above the diagonal. The diagonal tiles are loaded and masked.")
+    return wrong(f"{answer!r} is not it. There are {blocks} blocks per side; only the tiles "
+                 "strictly above the diagonal are skipped (the diagonal ones are computed with "
+                 "a mask).", "block_schedule(1024, 1024, 128, 128) shows them (0 = skipped).")
+
+
+# ---- notebook 03b: the break-even Br, the floor under a GPU tile ---------------------------
+
 BREAK_EVEN_N, BREAK_EVEN_D = 4096, 128
 
 
@@ -586,7 +604,7 @@ def break_even_block_q(d: int = BREAK_EVEN_D) -> int:
     return d // 2
 
 
-@exercise("nb03.break_even_block_q", notebook=NB, kind="compute",
+@exercise("nb03.break_even_block_q", notebook=NB_GPU, kind="compute",
           title="when does tiling pay in bytes? the break-even Br at d = 128",
           solution=break_even_block_q(),
           wrong_variants={"Br = d": (128, ("K and V",)), "d/4": (32, ("solve",)),
@@ -607,21 +625,6 @@ def _check_break_even_block_q(answer, d: int = BREAK_EVEN_D, n: int = BREAK_EVEN
         "break-even itself a hair under 1). Real kernels use Br of 64 to 128, at or past this "
         "point, and gain the rest from never writing S and P."),
         hint="solve 2·N²·d/Br = 4·N² for Br (N cancels).")
-
-
-@exercise("nb03.skipped_tiles", notebook=NB, kind="compute",
-          title="causal skipping: tiles never loaded at N=1024, Br=Bc=128",
-          solution=28, wrong_variants={"counted the diagonal": (36, ("strictly above",)),
-                                       "half of all": (32, ("strictly above",))})
-def _check_skipped_tiles(answer, n: int = 1024, block: int = 128) -> object:
-    want = int((block_schedule(n, n, block, block, causal=True) == CAUSAL_SKIPPED).sum())
-    blocks = n // block
-    if answer == want:
-        return right(f"{want} of {blocks ** 2} tiles are never loaded: every tile strictly "
-                     "above the diagonal. The diagonal tiles are loaded and masked.")
-    return wrong(f"{answer!r} is not it. There are {blocks} blocks per side; only the tiles "
-                 "strictly above the diagonal are skipped (the diagonal ones are computed with "
-                 "a mask).", "block_schedule(1024, 1024, 128, 128) shows them (0 = skipped).")
 
 
 # ---- stretch: the inner loop of a Triton kernel -----------------------------------------------

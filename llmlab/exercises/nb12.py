@@ -6,11 +6,11 @@
   points (``TokenVocab``); the student writes the walk of every token from every state.
   The checker compares the table with llmlab's on every state and with a brute-force walk
   on two, then runs SmolLM2's generation constrained by it (greedy and sampled) and
-  checks that every output matches the pattern.
+  checks that every output matches the pattern. Why a token cannot be judged by its first
+  character is told in the notebook's prose and named by this checker (the "first character
+  only" mistake), not asked as a separate question.
 - ``nb12.predict_allowed_fraction`` (predict): the share of the vocabulary allowed inside
   a JSON string value, against the measurement.
-- ``nb12.explain_token_boundaries`` (explain): why a mask cannot judge a token by its first
-  character.
 - ``nb12.predict_naive_tool_stream`` (predict): what a streaming parser that forwards
   everything after ``"arguments":`` hands the client.
 - ``nb12.stream_arguments`` (build, stretch): that parser, done right.
@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from . import Verdict, choice_verdict, exercise, forbid, right, wrong
+from . import Verdict, exercise, forbid, right, wrong
 from ..structured import (RegexGrammar, TokenTable, TokenVocab, brute_force_mask,
                           build_token_table, regex_to_dfa, walk_tokens)
 
@@ -266,40 +266,6 @@ def _check_predict_allowed_fraction(answer, measured: float | None = None, **_) 
                      "character (or a special token) do not.")
     return wrong(f"you said {said}; the measured share is {measured:.1%}, option ({want}).",
                  "which characters may not appear inside a JSON string?")
-
-
-# ---- explain: token boundaries ---------------------------------------------------------------
-
-_BOUNDARY_CHOICES = {
-    "a": "Because the tokenizer may merge the next token with this one, so the first "
-         "character seen is not the one generated.",
-    "b": "Because a DFA has no state for the middle of a token.",
-    "c": "Because a token carries several characters: one that starts right can break the "
-         "pattern further in, and where it ends decides the next state.",
-    "d": "Because only the last character of a token is ever checked against the grammar, "
-         "and the sampler ignores the first one, so a first-character mask would in fact "
-         "check nothing at all.",
-}
-_BOUNDARY_EXPLANATIONS = {
-    "a": "The tokens are fixed once sampled; nothing merges them afterwards. The problem is "
-         "inside one token.",
-    "b": "The DFA works per character; a token is walked through as many states as it has "
-         "characters. That walk is exactly what the table stores.",
-    "c": "Right: '\",' fits after a string and goes on into the separator; ' \"x' starts with "
-         "a space the pattern may not allow. A token is allowed only if all of its characters "
-         "fit, and the next token starts where its last character left the DFA.",
-    "d": "Every character is checked; the question is why checking only the first would be "
-         "wrong.",
-}
-
-
-@exercise("nb12.explain_token_boundaries", notebook=NB, kind="explain",
-          title="explain: why can a mask not judge a token by its first character?",
-          solution="c", choices=_BOUNDARY_CHOICES,
-          wrong_variants={"merging": ("a", ("nothing merges",)),
-                          "no middle state": ("b", ("per character",))})
-def _check_explain_token_boundaries(answer, **_) -> Verdict:
-    return choice_verdict(answer, "c", _BOUNDARY_EXPLANATIONS)
 
 
 # ---- predict: a naive streaming tool-call parser ---------------------------------------------

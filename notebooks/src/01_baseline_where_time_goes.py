@@ -85,11 +85,22 @@ print(f"least-squares fit over all {step_fit.n} lengths: {a:.1f} ms + {b:.3f} ms
 # this machine — how fast it streams memory and how fast it multiplies — and one number per step,
 # its **arithmetic intensity**: FLOPs done per byte moved. Below the *ridge point* (peak FLOP/s ÷
 # bandwidth) a step waits for memory; above it, for arithmetic. `forward_cost` is the analytic
-# model of a forward (the bytes of its weights and activations, logits for the last token):
+# model of a forward (the bytes of its weights and activations, logits for the last token).
+#
+# **Predict, then count.** Before the model's numbers are printed: by what factor is the
+# arithmetic intensity of a no-cache step over L = 96 tokens larger than that of a step over
+# L = 8? Commit a number.
+
+# %%
+my_growth = ...  # YOUR ANSWER: a number (the factor)
 
 # %%
 from llmlab.profiling.roofline import forward_cost, measure_ceilings
 
+growth = forward_cost(cfg, 1, 96).intensity / forward_cost(cfg, 1, 8).intensity
+exercises.check("nb01.predict_intensity_growth", my_growth, measured=growth)
+
+# %%
 ceil = measure_ceilings(copy_bytes=64 * 2**20, matmul_n=512, repeats=5)
 print(f"{ceil.device}: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul "
       f"{ceil.peak_flops_per_s / 1e9:.0f} GFLOP/s, ridge point {ceil.ridge_point:.1f} FLOP/byte")
@@ -116,20 +127,10 @@ display(Markdown(
     + ", ".join(f"{n / x:.1f}" for n, x in zip(lengths, intensity))
     + f" at L = {', '.join(map(str, lengths))}."))
 
-# %% [markdown]
-# **Explain.** In the printout the intensity (a model: it depends only on the shapes) grows with
-# the number of tokens, and a long enough step crosses this machine's ridge point, from
-# memory-bound to compute-bound.
-
-# %%
-exercises.ask("nb01.explain_compute_bound")
-
-# %%
-answer = ...  # YOUR ANSWER: "a", "b", "c" or "d"
-exercises.check("nb01.explain_compute_bound", answer)
-
 # %%
 Markdown(
+    "So a long enough step crosses this machine's ridge point, from memory-bound to "
+    "compute-bound (the intensity is a model: it depends only on the shapes). "
     f"Counting only the weights' bytes, the same FLOPs give L/{lengths[0] / per_weight_byte[0]:.1f} "
     f"to L/{lengths[-1] / per_weight_byte[-1]:.1f} FLOP per byte: a weight in a decoder layer is "
     "read once per forward and does 2 FLOPs per token (a multiply and an add) for its 4 bytes, "
@@ -188,7 +189,16 @@ display(Markdown(
     + f". The overhead outside them is {split.outside_s * 1e3:.0f} ms per step, "
     f"{ops.total * t_op * 1e3:.1f} ms of it the bare cost of {ops.total} operator calls. "
     f"What grows with L is the part per token ({b:.2f} ms): every step redoes all the tokens "
-    "before it (exercise 1 at the end counts the token-passes of a whole generation)."))
+    "before it (exercise 1 at the end counts the token-passes of a whole generation)."
+    + ("" if abs(a - split.median_s * 1e3) <= max(2 * step_fit.rms, (split.max_s - split.min_s) * 1e3)
+       else f" The line fitted over L = {lengths[0]}…{lengths[-1]} misses the one-token step by "
+       f"{abs(a - split.median_s * 1e3):.0f} ms, more than its residual: "
+       + ("with one row the matrix library multiplies by its matrix–vector routine, which reads "
+          "the weights faster than the routine it takes for several rows (notebook 02's batch "
+          "sweep measures the switch), so a step's fixed part depends on how many rows it has."
+          if a > split.median_s * 1e3 else
+          "a step over one token costs more than the lengths measured predict, so the line "
+          "does not extend below them."))))
 
 # %% [markdown]
 # Notebook 11 (overhead and compilation) goes after the part outside the matrix multiplies:

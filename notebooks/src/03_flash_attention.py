@@ -415,25 +415,14 @@ exercises.check("nb03.explain_loop_order", my_choice)
 # output rows, so O never goes back to HBM between key blocks. And it divides by ℓ once at the
 # end instead of rescaling the output after every block, trimming the non-matmul work, which
 # runs far slower than the tensor cores. Throughout, the score tile and the accumulator live in
-# registers; only the K/V blocks pass through shared memory.
+# registers; only the K/V blocks pass through shared memory. How small Br may be before the
+# K/V re-reads cost more bytes than standard attention is a question for notebook 03b, which
+# takes this loop to a GPU.
 #
-# ### Exercises 5 and 6 (compute)
+# ### Exercise 5 (compute): causal skipping
 #
-# 5. **When does tiling pay in bytes?** In the model, FlashAttention-2's loop moves
-#    2·N·d + 2·N²·d/Br elements per head (Q read and O written once, K and V once per query
-#    block) and standard attention 4·N·d + 4·N² (S and P each written and read). Leave out the
-#    N·d terms: at which Br do the two N² terms tie, for d = 128? (`tiled_attention_hbm` and
-#    `standard_attention_hbm` compute the full counts, if you want to see the tie.)
-
-# %%
-# NBVAL_CHECK_OUTPUT
-answer = ...  # YOUR ANSWER: a number
-exercises.check("nb03.break_even_block_q", answer)
-
-# %% [markdown]
-# 6. **Causal skipping.** With N = 1024 and Br = Bc = 128, how many tiles does a causal pass
-#    never load? `llmlab.attention.flash.block_schedule` shows them (0 = skipped), or count by
-#    hand.
+# With N = 1024 and Br = Bc = 128, how many tiles does a causal pass never load?
+# `llmlab.attention.flash.block_schedule` shows them (0 = skipped), or count by hand.
 
 # %%
 # NBVAL_CHECK_OUTPUT

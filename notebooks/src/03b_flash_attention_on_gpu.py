@@ -5,10 +5,11 @@
 # On a GPU the same loop is also the fast one, because the tile stays on chip: in shared memory
 # and registers, next to tensor cores. This optional notebook follows the loop there, in three
 # parts that all run on a CPU. First a **model**, labelled as one, of one attention layer on an
-# H100 from its datasheet figures. Then the loop as a **Triton kernel**: you write its inner loop
-# (a stretch), which runs here in Triton's interpreter and compiles for real on a GPU. Last,
-# **what the compiler makes of a tile**: registers, spills, shared memory and occupancy of
-# builds compiled for an H100 on this machine, and an explorer over the block sizes.
+# H100 from its datasheet figures, and how small a tile may get before it stops saving bytes.
+# Then the loop as a **Triton kernel**: you write its inner loop (a stretch), which runs here
+# in Triton's interpreter and compiles for real on a GPU. Last, **what the compiler makes of a
+# tile**: registers, spills, shared memory and occupancy of builds compiled for an H100 on this
+# machine, and an explorer over the block sizes.
 
 # %%
 import matplotlib.pyplot as plt
@@ -55,6 +56,21 @@ for n, t_std, t_fl, f in zip(ns_gpu, gpu["standard"], gpu["flash"], gpu["flops"]
 # Either way the model puts FlashAttention several times ahead, and the gap does not close
 # with N. `python -m llmlab.bench attention --gpu` measures llmlab's Triton kernel against
 # PyTorch's own FlashAttention backend on a real GPU.
+
+# %% [markdown]
+# ### Exercise (compute): when does tiling pay in bytes?
+#
+# The model counts, per head, 2·N·d + 2·N²·d/Br elements for FlashAttention-2's loop (Q read
+# and O written once, K and V re-read once per query block) and 4·N·d + 4·N² for standard
+# attention (S and P each written and read). A small Br means many passes over K and V. Leave
+# out the N·d terms: at which Br do the two N² terms tie, for d = 128? (`tiled_attention_hbm`
+# and `standard_attention_hbm` in `llmlab.profiling.hbm` compute the full counts, if you want
+# to see the tie.)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+answer = ...  # YOUR ANSWER: a number
+exercises.check("nb03.break_even_block_q", answer)
 
 # %% [markdown]
 # ## Stretch (build): the inner loop of a Triton kernel
@@ -139,8 +155,10 @@ else:
 # %% [markdown]
 # ## What the compiler makes of a tile (compiled for H100, not run)
 #
-# The model above treats Br and Bc as free choices. On a GPU they are not: the tile must fit the
-# hardware of one SM, and only the compiler knows what it needs. Triton's compiler and NVIDIA's
+# The model above treats Br and Bc as free choices, bounded only from below: under the
+# break-even of the exercise, Br = d/2, the K/V re-reads cost more bytes than S and P. On a GPU
+# they are bounded from above too: the tile must fit the hardware of one SM, and only the
+# compiler knows what it needs. Triton's compiler and NVIDIA's
 # `ptxas`, which ship with Triton, can build the kernel for an H100 (`sm_90`) on this CPU machine
 # without a GPU; `python -m llmlab.kernels.report` does that and reads the result back from the
 # binary (`data/kernel_builds.json` holds every tile the explorer below offers). Nothing here

@@ -7,13 +7,11 @@
 # whose request ended early stay empty, and a newcomer waits for the whole batch. Yu et al. (Orca,
 # OSDI 2022) introduced **iteration-level scheduling**: the batch is formed again at every forward
 # pass, so a finished request leaves at once and a waiting one takes its seat at the next
-# iteration, like a restaurant that seats the next guest as soon as any chair frees instead of
-# waiting for the whole table to leave. vLLM (Kwon et al., SOSP 2023) runs the same scheduling over
+# iteration. vLLM (Kwon et al., SOSP 2023) runs the same scheduling over
 # the paged KV cache of notebook 04, which lets it admit requests on demand and preempt one when
 # memory runs out.
 #
-# A server is judged two ways: **throughput** (generated tokens per second, what decides how many
-# machines you pay for) and the latency each user feels, the time to the first token (**TTFT**)
+# A server is judged two ways: **throughput** (generated tokens per second) and the latency each user feels, the time to the first token (**TTFT**)
 # and the time per output token after it (**TPOT**); DistServe (Zhong et al., OSDI 2024) states
 # serving goals in exactly these terms.
 
@@ -129,11 +127,10 @@ fig = plot_occupancy({k: r.stats for k, r in runs.items()}, SEATS_ALL,
 # count) and `requeue(sched, seq)` (the second half of a preemption). A preempted sequence is listed
 # in `out.preempted`.
 #
-# The checker runs single steps on hand-built queues, then serves the whole trace through the
-# engine's scheduler with your step and a pool small enough to preempt (no request may be lost or
-# run twice, and it must beat static batching), then serves 10 requests on **tiny-llama** (the tiny
-# random model, to keep the check to seconds) through the real engine, whose greedy tokens must
-# equal generating each request alone. llmlab's own policies are switched off while it runs.
+# The checker runs single steps on hand-built queues, serves the whole trace with your step and a
+# pool small enough to preempt (nothing lost or run twice; it must beat static batching), then 10
+# requests on **tiny-llama** (the tiny random model) through the real engine, whose greedy tokens
+# must equal generating each request alone.
 
 # %%
 from llmlab.engine.scheduler import SchedulerOutput
@@ -370,9 +367,8 @@ expect(row_vs_step < 0.5, "a decoding row costing less than half a one-row step"
 # lengths (9–113 tokens) and arrive as a **Poisson process** (independent exponential gaps, the
 # open-loop load of serving benchmarks), 8 seats. For this sweep we use the **tiny random model
 # (tiny-llama)**, whose steps take a millisecond or two, so that 80 requests at each of four
-# rates fit in seconds; its numbers show the shape, not SmolLM2's speed. A tiny-llama step is
-# mostly the engine's fixed cost per step, as a SmolLM2 decode step is mostly its weight read,
-# so iterations set the time in both.
+# rates fit in seconds; its numbers show the shape, not SmolLM2's speed. Its step is mostly the
+# engine's fixed cost, as SmolLM2's is mostly its weight read: iterations set the time in both.
 #
 # First each policy's **capacity**: requests per second with every request waiting at t = 0.
 # Beyond it the queue can only grow. Then the rates: 40%, 70%, 100% and 130% of the continuous
@@ -445,8 +441,7 @@ expect(all(x > 1 for x in ttft_ratio[-2:]),
 # waits for it: for their readers the text stops for that step, an **inter-token stall**. With
 # `enable_chunked_prefill=True` the token budget `max_num_batched_tokens` becomes a hard cap per
 # step: decodes go first, and a prompt is fed in chunks of whatever budget is left, over several
-# steps (Agrawal et al.: Sarathi, 2023, and Sarathi-Serve, OSDI 2024; vLLM's V1 engine enables it
-# by default). It matters when long prompts arrive while others decode, so here the requests are
+# steps (Agrawal et al.: Sarathi, 2023, and Sarathi-Serve, OSDI 2024). It matters when long prompts arrive while others decode, so here the requests are
 # the trace's first with prompts of at least 100 tokens, 2 seats, a budget of 64 tokens per step,
 # three rounds on SmolLM2-135M. What it is judged on is the **worst stall**: the longest gap
 # between two consecutive tokens of any request.

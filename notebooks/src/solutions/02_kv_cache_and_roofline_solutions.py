@@ -77,15 +77,18 @@ exercises.check("nb02.decode_loop", decode_loop, cache_cls=MyKVCache)
 # A `[1, 576] × [576, 1536]` product reads each 4-byte weight once and does one multiply and one
 # add with it: 2 FLOPs per 4 bytes, 0.5 FLOP/byte (the notebook passes the model's value; without
 # it the check computes it). At batch 16 the same weights are read once for 16 tokens, so the
-# step costs far less than 16 batch-1 steps. (Without the notebook's measurement passed in, the
-# check measures it.)
+# step costs far less than 16 batch-1 steps: what each sequence adds is its own KV cache and
+# activations (about 1.2× the bytes of batch 1 in all), and on a CPU the switch from a
+# matrix-vector routine to a matrix-matrix one as the rows grow costs some more. About 2× is a fair
+# prediction; the check accepts a factor of 2 either way of the measured ratio. (Without the
+# notebook's measurement passed in, the check measures it.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
 exercises.check("nb02.predict_decode_intensity", 2 / 4)
 
 # %%
-exercises.check("nb02.predict_batch_decode", "c")
+exercises.check("nb02.predict_batch_decode", 2.0)
 
 # %% [markdown]
 # ## Exercise 1

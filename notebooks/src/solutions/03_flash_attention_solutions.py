@@ -99,24 +99,7 @@ exercises.check("nb03.predict_peak_memory", 25)
 exercises.check("nb03.explain_loop_order", "b")
 
 # %% [markdown]
-# ## Exercise 5: the break-even Br
-#
-# FlashAttention-2's order re-reads K and V once per query block: 2·N²·d/Br elements. Standard
-# attention writes and reads S and P: 4·N². They tie at Br = d/2, 64 for d = 128. The full model,
-# N·d terms included, around that point:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-from llmlab.profiling.hbm import standard_attention_hbm, tiled_attention_hbm
-
-d = 128
-for br in (32, 64, 128):
-    ratio = tiled_attention_hbm(4096, d, br, 64).total / standard_attention_hbm(4096, d).total
-    print(f"Br = {br:3d}: tiled ÷ standard = {ratio:.2f}")
-exercises.check("nb03.break_even_block_q", d // 2)
-
-# %% [markdown]
-# ## Exercise 6: causal skipping
+# ## Exercise 5: causal skipping
 #
 # 8 blocks per side; the tiles strictly above the diagonal are skipped: 8·7/2 = 28.
 

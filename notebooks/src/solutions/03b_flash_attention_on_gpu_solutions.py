@@ -1,11 +1,29 @@
 # %% [markdown]
 # # 03b · Solutions
 #
-# The reference answer to the stretch exercise of notebook 03b, followed by its check.
+# The reference answers to the exercises of notebook 03b (the break-even Br and the Triton
+# stretch), each followed by its check.
 
 # %%
 from llmlab import exercises
 from llmlab.device import TRITON_MISSING, has_triton
+
+# %% [markdown]
+# ## The break-even Br
+#
+# FlashAttention-2's order re-reads K and V once per query block: 2·N²·d/Br elements. Standard
+# attention writes and reads S and P: 4·N². They tie at Br = d/2, 64 for d = 128. The full model,
+# N·d terms included, around that point:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from llmlab.profiling.hbm import standard_attention_hbm, tiled_attention_hbm
+
+d = 128
+for br in (32, 64, 128):
+    ratio = tiled_attention_hbm(4096, d, br, 64).total / standard_attention_hbm(4096, d).total
+    print(f"Br = {br:3d}: tiled ÷ standard = {ratio:.2f}")
+exercises.check("nb03.break_even_block_q", d // 2)
 
 # %% [markdown]
 # ## Stretch: the Triton inner loop

@@ -9,16 +9,6 @@ import numpy as np
 from llmlab import exercises
 
 # %% [markdown]
-# ## Explain: token boundaries
-
-# %%
-exercises.ask("nb12.explain_token_boundaries")
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(exercises.check("nb12.explain_token_boundaries", "c"))
-
-# %% [markdown]
 # ## Build: the token table
 #
 # The code points become classes once (`dfa.classify`; −1 stays −1 past a token's end). Then per
